@@ -57,7 +57,10 @@ def main() -> int:
             p.name for p in committed.iterdir() if p.name != "__pycache__"
         }
         stale = sorted(
-            n for n in names if not (fresh / n).exists() or not (committed / n).exists()
+            n
+            for n in names
+            if not (fresh / n).exists()
+            or not (committed / n).exists()
             or not filecmp.cmp(fresh / n, committed / n, shallow=False)
         )
         if stale:

@@ -52,14 +52,16 @@ class Publish(_message.Message):
     def __init__(self, topic: _Optional[str] = ..., payload: _Optional[bytes] = ..., message_id: _Optional[str] = ...) -> None: ...
 
 class Send(_message.Message):
-    __slots__ = ("to_peer", "payload", "message_id")
+    __slots__ = ("to_peer", "payload", "message_id", "channel")
     TO_PEER_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
     to_peer: str
     payload: bytes
     message_id: str
-    def __init__(self, to_peer: _Optional[str] = ..., payload: _Optional[bytes] = ..., message_id: _Optional[str] = ...) -> None: ...
+    channel: str
+    def __init__(self, to_peer: _Optional[str] = ..., payload: _Optional[bytes] = ..., message_id: _Optional[str] = ..., channel: _Optional[str] = ...) -> None: ...
 
 class ClientFrame(_message.Message):
     __slots__ = ("hello", "subscribe", "unsubscribe", "publish", "send", "ping")
@@ -92,18 +94,20 @@ class Welcome(_message.Message):
     def __init__(self, gateway_id: _Optional[str] = ..., peer_id: _Optional[str] = ...) -> None: ...
 
 class Delivery(_message.Message):
-    __slots__ = ("from_peer", "from_role", "topic", "payload", "message_id")
+    __slots__ = ("from_peer", "from_role", "topic", "payload", "message_id", "direct")
     FROM_PEER_FIELD_NUMBER: _ClassVar[int]
     FROM_ROLE_FIELD_NUMBER: _ClassVar[int]
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
     from_peer: str
     from_role: _common_pb2.Role
     topic: str
     payload: bytes
     message_id: str
-    def __init__(self, from_peer: _Optional[str] = ..., from_role: _Optional[_Union[_common_pb2.Role, str]] = ..., topic: _Optional[str] = ..., payload: _Optional[bytes] = ..., message_id: _Optional[str] = ...) -> None: ...
+    direct: bool
+    def __init__(self, from_peer: _Optional[str] = ..., from_role: _Optional[_Union[_common_pb2.Role, str]] = ..., topic: _Optional[str] = ..., payload: _Optional[bytes] = ..., message_id: _Optional[str] = ..., direct: _Optional[bool] = ...) -> None: ...
 
 class GatewayError(_message.Message):
     __slots__ = ("code", "message", "message_id")

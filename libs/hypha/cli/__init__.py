@@ -1,0 +1,1 @@
+"""Command-line scaffolding shared by every role's CLI."""

@@ -1,0 +1,208 @@
+"""Persisting the parameter server after every round, so a restarted server resumes exactly.
+
+A checkpoint is two files in one directory:
+
+- ``state-<round>-<token>.safetensors``: θ_global (``params/<name>``) and the
+  momentum buffer (``momentum/<name>``), fp32;
+- ``checkpoint.json``: round number, expected workers, outer settings and step
+  count, quorum and timeouts, and the name and sha256 of the tensors file.
+
+Each file is written to a temporary name, fsynced and moved into place with
+``os.replace``. The JSON goes last and is the commit point: until it is
+replaced, the previous JSON still names the previous tensors file, which is
+only deleted afterwards. A crash at any moment therefore leaves one complete,
+verifiable checkpoint (the old or the new), never a mix. Tensor files carry a
+random token so that saving the same round twice never overwrites the file the
+current JSON points to.
+
+The round in progress (deltas received but not yet aggregated) is not saved:
+after a restart the server collects that round again from scratch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as _st_load
+from safetensors.torch import save as _st_save
+
+from hypha.diloco.outer import NesterovOuter, OuterStateDict
+from hypha.diloco.rounds import ParameterServerCore, Quorum
+from hypha.errors import DataLossError, NotFoundError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "checkpoint.json"
+_PARAMS = "params/"
+_MOMENTUM = "momentum/"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The persisted state of a parameter server, as read back from disk."""
+
+    round_number: int
+    expected: frozenset[str]
+    outer: OuterStateDict
+    round_timeout_s: float
+    quorum: Quorum
+    give_up_after_s: float | None
+    reject_non_finite: bool
+
+
+def save(directory: str | Path, core: ParameterServerCore) -> Path:
+    """Write ``core``'s state atomically under ``directory``; returns the manifest's path.
+
+    Call it after each completed round (the state then holds the round that
+    is about to collect). Older tensor files are removed once the new
+    manifest is in place.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = core.outer.state_dict()
+    tensors = {_PARAMS + name: t for name, t in state["params"].items()}
+    if state["momentum_buffer"] is not None:
+        tensors.update({_MOMENTUM + name: t for name, t in state["momentum_buffer"].items()})
+    # Contiguous CPU fp32 views, no copies for state that already lives there.
+    blob = _st_save({k: t.detach().to("cpu", torch.float32).contiguous() for k, t in tensors.items()})
+    tensors_name = f"state-{core.round_number:08d}-{secrets.token_hex(4)}.safetensors"
+    _write_atomic(directory / tensors_name, blob)
+    manifest: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "round_number": core.round_number,
+        "expected": sorted(core.expected),
+        "names": list(state["params"]),
+        "lr": state["lr"],
+        "momentum": state["momentum"],
+        "steps": state["steps"],
+        "has_momentum_buffer": state["momentum_buffer"] is not None,
+        "round_timeout_s": core.round_timeout_s,
+        "quorum": core.quorum,
+        "give_up_after_s": core.give_up_after_s,
+        "reject_non_finite": core.reject_non_finite,
+        "tensors_file": tensors_name,
+        "tensors_sha256": hashlib.sha256(blob).hexdigest(),
+    }
+    manifest_path = directory / MANIFEST_NAME
+    _write_atomic(manifest_path, json.dumps(manifest, indent=2, sort_keys=True).encode())
+    for stale in directory.glob("state-*.safetensors"):
+        if stale.name != tensors_name:
+            stale.unlink(missing_ok=True)
+    return manifest_path
+
+
+def exists(directory: str | Path) -> bool:
+    return (Path(directory) / MANIFEST_NAME).is_file()
+
+
+def read(directory: str | Path) -> Checkpoint:
+    """Read and verify the checkpoint; NotFoundError if there is none, DataLossError if it is damaged."""
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST_NAME
+    try:
+        manifest = json.loads(manifest_path.read_bytes())
+    except FileNotFoundError:
+        raise NotFoundError(f"no parameter-server checkpoint in {directory}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataLossError(f"checkpoint manifest {manifest_path} is damaged: {exc}") from None
+    try:
+        return _from_manifest(directory, manifest)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DataLossError(f"checkpoint manifest {manifest_path} is damaged: {exc!r}") from None
+
+
+def restore(checkpoint: Checkpoint, *, device: torch.device | str | None = None) -> ParameterServerCore:
+    """A parameter server core in exactly the checkpointed state, collecting its round afresh."""
+    outer = NesterovOuter.from_state_dict(checkpoint.outer, device=device)
+    return ParameterServerCore(
+        outer,
+        checkpoint.expected,
+        checkpoint.round_timeout_s,
+        checkpoint.quorum,
+        round_number=checkpoint.round_number,
+        give_up_after_s=checkpoint.give_up_after_s,
+        reject_non_finite=checkpoint.reject_non_finite,
+    )
+
+
+def load(directory: str | Path, *, device: torch.device | str | None = None) -> ParameterServerCore:
+    """``restore(read(directory))``: resume a parameter server from its directory."""
+    return restore(read(directory), device=device)
+
+
+def _from_manifest(directory: Path, manifest: dict[str, Any]) -> Checkpoint:
+    if manifest.get("format") != FORMAT_VERSION:
+        raise DataLossError(f"unsupported checkpoint format {manifest.get('format')!r}")
+    tensors_path = directory / Path(manifest["tensors_file"]).name
+    try:
+        blob = tensors_path.read_bytes()
+    except FileNotFoundError:
+        raise DataLossError(f"checkpoint tensors file {tensors_path} is missing") from None
+    if hashlib.sha256(blob).hexdigest() != manifest["tensors_sha256"]:
+        raise DataLossError(f"checkpoint tensors file {tensors_path} does not match its sha256")
+    try:
+        tensors = _st_load(blob)
+    except SafetensorError as exc:
+        raise DataLossError(f"checkpoint tensors file {tensors_path} is damaged: {exc}") from None
+    names: list[str] = list(manifest["names"])
+    params = {name: tensors[_PARAMS + name].clone() for name in names}
+    buffer = (
+        {name: tensors[_MOMENTUM + name].clone() for name in names}
+        if manifest["has_momentum_buffer"]
+        else None
+    )
+    quorum = manifest["quorum"]
+    if isinstance(quorum, bool) or not isinstance(quorum, int | float):
+        raise DataLossError(f"checkpoint quorum {quorum!r} is not a number")
+    give_up = manifest["give_up_after_s"]
+    return Checkpoint(
+        round_number=int(manifest["round_number"]),
+        expected=frozenset(str(w) for w in manifest["expected"]),
+        outer=OuterStateDict(
+            params=params,
+            momentum_buffer=buffer,
+            lr=float(manifest["lr"]),
+            momentum=float(manifest["momentum"]),
+            steps=int(manifest["steps"]),
+        ),
+        round_timeout_s=float(manifest["round_timeout_s"]),
+        quorum=quorum,
+        give_up_after_s=None if give_up is None else float(give_up),
+        reject_non_finite=bool(manifest["reject_non_finite"]),
+    )
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    # The rename is durable only once the directory entry is; not every platform can open a directory.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,140 @@
+"""How a node reaches another node: its direct gRPC address first, the relay
+through the gateways when no address answers.
+
+Both kinds of channel take the same generated stubs and fail with the same
+``grpc.aio.AioRpcError`` codes, so callers never branch on the path. The
+decision is cached per peer and re-made when it goes stale: a direct channel
+that has fallen into TRANSIENT_FAILURE (its calls get UNAVAILABLE) is dropped
+at the next lookup, and a relay choice is re-checked after
+``relay_recheck_s`` in case the peer became reachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import grpc
+
+from hypha.errors import UnavailableError
+from hypha.net.channel import secure_channel
+from hypha.net.relay import Relay, RelayChannel
+from hypha.net.tls import TlsMaterial
+
+log = logging.getLogger(__name__)
+
+#: A direct grpc.aio channel or a relay channel; the generated stubs take either.
+PeerChannel: TypeAlias = "grpc.aio.Channel | RelayChannel"
+
+_BROKEN = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
+
+
+@dataclass
+class _Choice:
+    channel: PeerChannel
+    direct: bool
+    address: str
+    chosen_at: float
+
+
+class PeerConnector:
+    """Channels to peers by id; owns the direct channels it opens (callers must not close them)."""
+
+    def __init__(
+        self,
+        tls: TlsMaterial,
+        relay: Relay | None,
+        connect_timeout_s: float = 2.0,
+        *,
+        relay_recheck_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._tls = tls
+        self._relay = relay
+        self.connect_timeout_s = connect_timeout_s
+        self.relay_recheck_s = relay_recheck_s
+        self._clock = clock
+        self._choices: dict[str, _Choice] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def channel(self, peer_id: str, addresses: list[str]) -> PeerChannel:
+        """A channel to ``peer_id``; raises UnavailableError if neither path exists."""
+        lock = self._locks.setdefault(peer_id, asyncio.Lock())
+        async with lock:
+            choice = self._choices.get(peer_id)
+            if choice is not None and self._still_good(choice, addresses):
+                return choice.channel
+            await self._drop(peer_id)
+            choice = await self._choose(peer_id, addresses)
+            self._choices[peer_id] = choice
+            return choice.channel
+
+    def is_direct(self, peer_id: str) -> bool | None:
+        """How the cached channel to ``peer_id`` goes (None when there is none)."""
+        choice = self._choices.get(peer_id)
+        return None if choice is None else choice.direct
+
+    async def invalidate(self, peer_id: str) -> None:
+        """Forget the path to ``peer_id`` (e.g. after UNAVAILABLE); the next lookup re-decides."""
+        async with self._locks.setdefault(peer_id, asyncio.Lock()):
+            await self._drop(peer_id)
+
+    async def close(self) -> None:
+        for peer_id in list(self._choices):
+            await self._drop(peer_id)
+
+    def _still_good(self, choice: _Choice, addresses: list[str]) -> bool:
+        if choice.direct:
+            return choice.channel.get_state() not in _BROKEN
+        if getattr(choice.channel, "closed", False):
+            return False
+        stale = self._clock() - choice.chosen_at >= self.relay_recheck_s
+        return not (stale and addresses)
+
+    async def _choose(self, peer_id: str, addresses: list[str]) -> _Choice:
+        for address in addresses:
+            channel = await self._dial(address)
+            if channel is not None:
+                log.debug("peer %s: direct at %s", peer_id, address)
+                return _Choice(channel, True, address, self._clock())
+        if self._relay is None:
+            raise UnavailableError(f"peer {peer_id} unreachable at {addresses or 'no address'} and no relay")
+        log.debug("peer %s: through the relay", peer_id)
+        return _Choice(self._relay.channel(peer_id), False, "", self._clock())
+
+    async def _dial(self, address: str) -> grpc.aio.Channel | None:
+        channel = secure_channel(self._tls, address)
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                await _connected(channel)
+        except Exception as err:
+            log.debug("direct address %s did not answer: %r", address, err)
+            await channel.close()
+            return None
+        except BaseException:
+            await channel.close()
+            raise
+        return channel
+
+    async def _drop(self, peer_id: str) -> None:
+        choice = self._choices.pop(peer_id, None)
+        if choice is not None and choice.direct:
+            await choice.channel.close()
+
+
+async def _connected(channel: grpc.aio.Channel) -> None:
+    """Like ``channel_ready()``, but a refused or failed handshake fails now, not at the timeout.
+
+    ``channel_ready()`` keeps waiting through gRPC's reconnect backoff, so an
+    address that refuses at once would still cost the whole connect timeout.
+    """
+    state = channel.get_state(try_to_connect=True)
+    while state != grpc.ChannelConnectivity.READY:
+        if state in _BROKEN:
+            raise ConnectionError(f"channel {state.name}")
+        await channel.wait_for_state_change(state)
+        state = channel.get_state(try_to_connect=True)

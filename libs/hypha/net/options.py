@@ -1,0 +1,29 @@
+"""gRPC channel and server options shared by both ends.
+
+Chunks on the wire are at most 1 MiB; framing adds bytes, so the message
+limit sits a little above it on both sides (a 4 MiB message fails under the
+default 4 MiB limit, measured).
+"""
+
+from __future__ import annotations
+
+CHUNK_BYTES = 1024 * 1024
+DEFAULT_MAX_MESSAGE_BYTES = 2 * 1024 * 1024
+DEFAULT_KEEPALIVE_S = 20.0
+
+
+def grpc_options(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, keepalive_s: float = DEFAULT_KEEPALIVE_S
+) -> list[tuple[str, int]]:
+    keepalive_ms = int(keepalive_s * 1000)
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", max(keepalive_ms // 2, 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Accept pings as often as our own peers send them.
+        ("grpc.http2.min_ping_interval_without_data_ms", max(keepalive_ms // 2, 1000)),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", max(keepalive_ms // 2, 1000)),
+    ]

@@ -1,0 +1,24 @@
+"""Health probe over mTLS: what ``hypha-<role> probe`` and test fixtures use."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hypha.net.channel import secure_channel
+from hypha.net.tls import TlsMaterial
+
+
+async def probe(
+    tls: TlsMaterial, address: str, *, timeout_s: float = 5.0, service: str = ""
+) -> tuple[bool, str]:
+    """(healthy, one-line reason). Never raises for network or TLS failures."""
+    async with secure_channel(tls, address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            details = (err.details() or "").splitlines()[0] if err.details() else ""
+            return False, f"{err.code().name}: {details}"
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING, status

@@ -1,0 +1,478 @@
+"""The caller's half of relayed calls, and the framing both halves share.
+
+A relayed call is a gRPC call carried as ``RelayFrame`` direct messages
+through the gateways, for peers that cannot accept inbound connections.
+``ClientCall`` is one such call seen from the caller (frames out, ordered
+frames in, deadline, cancel); ``hypha.net.relay.RelayChannel`` wraps it in the
+``grpc.aio`` call surface the generated stubs expect.
+
+Frames of one direction of one call carry consecutive ``seq`` numbers from 0;
+the receiver puts them back in order and drops duplicates (``Sequencer``), so
+the protocol survives a gateway path that reorders or repeats frames. The
+``cancel`` frame is the one exception: it acts as soon as it arrives.
+
+NOTE: the wire has no flow-control credit, so backpressure is the node's
+dispatcher waiting (up to ``stall_timeout_s``) for room in a call's bounded
+inbox; that stalls the link, which stalls the gateway and the sender. A
+call whose consumer stays stuck longer fails with RESOURCE_EXHAUSTED instead
+of holding up every other call on the link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import grpc
+
+from hypha.errors import UnavailableError
+from hypha.net.messages import RELAY_CHANNEL, Message
+from hypha.net.options import CHUNK_BYTES
+from hypha.v1 import gateway_pb2
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Largest serialized request or response carried in one frame: one 1 MiB
+#: chunk of the stream contracts plus room for the fields around it.
+MAX_RELAY_MESSAGE_BYTES = CHUNK_BYTES + 64 * 1024
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The same exception type a direct grpc.aio call raises."""
+    return grpc.aio.AioRpcError(
+        code, initial_metadata=grpc.aio.Metadata(), trailing_metadata=grpc.aio.Metadata(), details=details
+    )
+
+
+class DirectLink(Protocol):
+    """What the relay needs from a node's gateway link (``hypha.net.link.NodeLink``)."""
+
+    @property
+    def peer_id(self) -> str: ...
+
+    async def send(self, to_peer: str, payload: bytes, channel: str) -> object:
+        """Send a direct message; raises UnavailableError when the gateway link is down."""
+        ...
+
+    def direct(self, channel: str) -> AsyncIterator[Message]:
+        """Direct messages on ``channel``; one consumer, registered before traffic arrives."""
+        ...
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    #: Largest serialized message in one frame; larger ones fail RESOURCE_EXHAUSTED.
+    max_message_bytes: int = MAX_RELAY_MESSAGE_BYTES
+    #: Relayed calls this node serves at once; more are refused with RESOURCE_EXHAUSTED.
+    max_concurrent_calls: int = 64
+    #: Messages buffered per call and direction before the dispatcher waits.
+    queue_messages: int = 8
+    #: How long the dispatcher waits for a call to make room before failing it.
+    stall_timeout_s: float = 10.0
+    #: Out-of-order frames held per call before the gap counts as loss (UNAVAILABLE).
+    reorder_window: int = 64
+
+
+class FramesLostError(Exception):
+    """A gap in a call's frame sequence did not fill within the reorder window."""
+
+
+class Sequencer:
+    """Puts one direction of one call back in ``seq`` order; drops duplicates."""
+
+    def __init__(self, window: int, first: int = 0) -> None:
+        self._window = window
+        self._next = first
+        self._held: dict[int, gateway_pb2.RelayFrame] = {}
+
+    def accept(self, frame: gateway_pb2.RelayFrame) -> list[gateway_pb2.RelayFrame]:
+        """The frames now deliverable in order (possibly none); raises FramesLostError."""
+        seq = frame.seq
+        if seq < self._next or seq in self._held:
+            return []
+        if seq != self._next:
+            if seq - self._next > self._window or len(self._held) >= self._window:
+                raise FramesLostError(f"frame {seq} while waiting for {self._next}")
+            self._held[seq] = frame
+            return []
+        ready = [frame]
+        self._next += 1
+        while self._next in self._held:
+            ready.append(self._held.pop(self._next))
+            self._next += 1
+        return ready
+
+
+class Mailbox(Generic[T]):
+    """A bounded FIFO that ends (drain, then None) or fails (raise at once).
+
+    ``asyncio.Queue`` has no close on Python 3.11; a call's inbox needs one so
+    that a deadline or a cancel wakes the reader and the writer immediately.
+    """
+
+    def __init__(self, maxsize: int) -> None:
+        self._items: deque[T] = deque()
+        self._maxsize = max(1, maxsize)
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._closed = False
+        self._error: BaseException | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def put(self, item: T, timeout_s: float | None = None) -> bool:
+        """Wait for room (TimeoutError after ``timeout_s``); False when closed (item dropped)."""
+        if not self._closed and len(self._items) >= self._maxsize:
+            async with asyncio.timeout(timeout_s):
+                while not self._closed and len(self._items) >= self._maxsize:
+                    self._writable.clear()
+                    await self._writable.wait()
+        if self._closed:
+            return False
+        self._items.append(item)
+        self._readable.set()
+        return True
+
+    async def get(self) -> T | None:
+        """The next item; None after a clean close; the close error after a failure."""
+        while not self._items and not self._closed:
+            self._readable.clear()
+            await self._readable.wait()
+        if self._error is not None:
+            raise self._error
+        if self._items:
+            item = self._items.popleft()
+            self._writable.set()
+            return item
+        return None
+
+    def close(self, error: BaseException | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._error = error
+        self._readable.set()
+        self._writable.set()
+
+
+class Background:
+    """Fire-and-forget sends (cancel and status frames) that stop() can still wait for."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self, timeout_s: float) -> None:
+        if not self._tasks:
+            return
+        _, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+
+
+def frame_kind(frame: gateway_pb2.RelayFrame) -> str | None:
+    return frame.WhichOneof("kind")
+
+
+_NO_REQUEST = object()
+Serializer = Callable[[Any], bytes]
+Deserializer = Callable[[bytes], Any]
+
+
+def passthrough(value: Any) -> Any:
+    return value
+
+
+class ClientEndpoint:
+    """This node's calls in flight to relayed peers, by call id."""
+
+    def __init__(self, link: DirectLink, limits: RelayLimits, background: Background) -> None:
+        self.link = link
+        self.limits = limits
+        self.background = background
+        self._calls: dict[str, ClientCall] = {}
+        #: Set when the relay stops: nothing would route responses any more.
+        self.closed = False
+
+    @property
+    def active_calls(self) -> int:
+        return len(self._calls)
+
+    def register(self, call: ClientCall) -> None:
+        self._calls[call.call_id] = call
+
+    def unregister(self, call: ClientCall) -> None:
+        if self._calls.get(call.call_id) is call:
+            del self._calls[call.call_id]
+
+    async def deliver(self, message: Message, frame: gateway_pb2.RelayFrame) -> bool:
+        """Route a response frame; False when no call of ours expects it from that peer."""
+        call = self._calls.get(frame.call_id)
+        if call is None or call.target != message.from_peer or frame_kind(frame) not in ("message", "status"):
+            return False
+        await call.deliver(frame)
+        return True
+
+    def fail_all(self, code: grpc.StatusCode, details: str) -> None:
+        for call in list(self._calls.values()):
+            call.fail(code, details, notify_server=False)
+
+
+class ClientCall:
+    """One relayed call as the caller sees it: frames out, ordered frames in."""
+
+    def __init__(
+        self,
+        endpoint: ClientEndpoint,
+        target: str,
+        method: str,
+        serializer: Serializer,
+        timeout_s: float | None,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self.call_id = uuid.uuid4().hex
+        self.target = target
+        self.method = method
+        self._endpoint = endpoint
+        self._limits = endpoint.limits
+        self._serialize = serializer
+        self._inbox: Mailbox[gateway_pb2.RelayFrame] = Mailbox(self._limits.queue_messages)
+        self._sequencer = Sequencer(self._limits.reorder_window)
+        self._next_seq = 0
+        self._opened = False
+        self.status: tuple[grpc.StatusCode, str] | None = None
+        self.locally_cancelled = False
+        self.deadline = None if timeout_s is None else loop.time() + timeout_s
+        self._timer = None if self.deadline is None else loop.call_at(self.deadline, self._expire)
+        self._sender: asyncio.Task[None] | None = None
+        self._open_sent = loop.create_future()
+        self._done = asyncio.Event()
+        self._done_callbacks: list[Callable[[], None]] = []
+        endpoint.register(self)
+        if endpoint.closed:
+            self.fail(grpc.StatusCode.UNAVAILABLE, "relay stopped", notify_server=False)
+
+    # ---- sending -------------------------------------------------------------
+
+    def begin(self, request: Any = _NO_REQUEST, requests: Any = None) -> None:
+        """Start sending: one request, a (sync or async) iterator of them, or neither (write mode)."""
+        self._sender = asyncio.get_running_loop().create_task(
+            self._send_requests(request, requests), name=f"relay-send {self.method}"
+        )
+
+    async def _send_requests(self, request: Any, requests: Any) -> None:
+        try:
+            timeout_s = 0.0
+            if self.deadline is not None:
+                timeout_s = max(self.deadline - asyncio.get_running_loop().time(), 1e-3)
+            self._opened = True
+            await self._send(gateway_pb2.RelayFrame(open=self.method, timeout_s=timeout_s))
+            if not self._open_sent.done():
+                self._open_sent.set_result(None)
+            if request is not _NO_REQUEST:
+                await self.write(request)
+                await self._send(gateway_pb2.RelayFrame(half_close=True))
+            elif requests is not None:
+                if hasattr(requests, "__aiter__"):
+                    async for item in requests:
+                        await self.write(item)
+                else:
+                    for item in requests:
+                        await self.write(item)
+                await self._send(gateway_pb2.RelayFrame(half_close=True))
+        except _CallOver:
+            pass
+        except Exception as err:
+            log.warning("relayed call %s: cannot send requests: %r", self.method, err)
+            self.fail(grpc.StatusCode.INTERNAL, f"cannot send request: {type(err).__name__}")
+        finally:
+            if not self._open_sent.done():
+                self._open_sent.cancel()
+
+    async def write(self, request: Any) -> None:
+        if self.status is not None:
+            raise _CallOver()
+        data = self._serialize(request)
+        if len(data) > self._limits.max_message_bytes:
+            self.fail(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request message of {len(data)} bytes exceeds {self._limits.max_message_bytes}",
+            )
+            raise _CallOver()
+        await self._send(gateway_pb2.RelayFrame(message=data))
+
+    async def write_from_caller(self, request: Any) -> None:
+        """``call.write()`` in write mode: waits for the open frame, raises the call's error."""
+        await self._await_open()
+        try:
+            await self.write(request)
+        except _CallOver:
+            raise self._error() from None
+
+    async def done_writing(self) -> None:
+        await self._await_open()
+        try:
+            await self._send(gateway_pb2.RelayFrame(half_close=True))
+        except _CallOver:
+            raise self._error() from None
+
+    async def _await_open(self) -> None:
+        try:
+            await asyncio.shield(self._open_sent)
+        except asyncio.CancelledError:
+            if self.status is None:
+                raise
+            raise self._error() from None
+
+    async def _send(self, frame: gateway_pb2.RelayFrame) -> None:
+        if self.status is not None and not frame.cancel:
+            raise _CallOver()
+        frame.call_id = self.call_id
+        frame.seq = self._next_seq
+        self._next_seq += 1
+        try:
+            await self._endpoint.link.send(self.target, frame.SerializeToString(), RELAY_CHANNEL)
+        except UnavailableError as err:
+            # Still try the cancel frame: the open may have gone out, and the server would wait for the rest.
+            self.fail(grpc.StatusCode.UNAVAILABLE, f"relay unavailable: {err.message}")
+            raise _CallOver() from err
+
+    async def _send_cancel(self) -> None:
+        try:
+            await self._send(gateway_pb2.RelayFrame(cancel=True))
+        except (_CallOver, Exception) as err:
+            log.debug("relayed call %s: cancel frame not sent: %r", self.method, err)
+
+    # ---- receiving -----------------------------------------------------------
+
+    async def deliver(self, frame: gateway_pb2.RelayFrame) -> None:
+        """Called by the dispatcher; waits (bounded) while the reader is behind."""
+        try:
+            ready = self._sequencer.accept(frame)
+        except FramesLostError as err:
+            self.fail(grpc.StatusCode.UNAVAILABLE, f"relay frames lost: {err}")
+            return
+        for item in ready:
+            if frame_kind(item) == "message" and len(item.message) > self._limits.max_message_bytes:
+                self.fail(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"response message exceeds {self._limits.max_message_bytes} bytes",
+                )
+                return
+            try:
+                accepted = await self._inbox.put(item, self._limits.stall_timeout_s)
+            except TimeoutError:
+                self.fail(grpc.StatusCode.RESOURCE_EXHAUSTED, "caller stopped reading relayed responses")
+                return
+            if not accepted:
+                return
+            if frame_kind(item) == "status":
+                self._finish((status_code(item.status.code), item.status.details))
+                return
+
+    async def read(self) -> bytes | None:
+        """The next response message; None once the call ended OK; raises its error otherwise."""
+        try:
+            frame = await self._inbox.get()
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        if frame is None:
+            return None
+        if frame_kind(frame) == "message":
+            return frame.message
+        code = status_code(frame.status.code)
+        error = None if code == grpc.StatusCode.OK else rpc_error(code, frame.status.details)
+        self._inbox.close(error)
+        if error is not None:
+            raise error
+        return None
+
+    # ---- ending --------------------------------------------------------------
+
+    def cancel(self) -> bool:
+        if self.status is not None:
+            return False
+        self.locally_cancelled = True
+        self.fail(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
+        return True
+
+    def _expire(self) -> None:
+        self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    def fail(self, code: grpc.StatusCode, details: str, *, notify_server: bool = True) -> None:
+        """End the call here (deadline, cancel, link down, limits); tell the server if asked."""
+        if self.status is not None:
+            return
+        self._inbox.close(self._error(code, details))
+        self._finish((code, details))
+        if notify_server and self._opened:
+            self._endpoint.background.spawn(self._send_cancel(), name=f"relay-cancel {self.call_id}")
+
+    def _error(self, code: grpc.StatusCode | None = None, details: str = "") -> BaseException:
+        """What the caller sees: CancelledError after its own cancel (as grpc.aio), else AioRpcError."""
+        if self.locally_cancelled:
+            return asyncio.CancelledError()
+        if code is None:
+            code, details = self.status or (grpc.StatusCode.UNKNOWN, "call ended")
+        return rpc_error(code, details)
+
+    def _finish(self, status: tuple[grpc.StatusCode, str]) -> None:
+        self.status = status
+        if self._timer is not None:
+            self._timer.cancel()
+        if (
+            self._sender is not None
+            and self._sender is not asyncio.current_task()
+            and not self._sender.done()
+        ):
+            self._sender.cancel()
+        self._endpoint.unregister(self)
+        self._done.set()
+        for callback in self._done_callbacks:
+            try:
+                callback()
+            except Exception:
+                log.exception("relayed call done callback failed")
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        if self.status is not None:
+            callback()
+        else:
+            self._done_callbacks.append(callback)
+
+    async def wait_done(self) -> tuple[grpc.StatusCode, str]:
+        await self._done.wait()
+        assert self.status is not None
+        return self.status
+
+    def time_remaining(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+
+class _CallOver(Exception):
+    """The call already ended; the sender stops quietly."""

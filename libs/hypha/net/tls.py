@@ -1,0 +1,104 @@
+"""TLS material for a node: its certificate chain, key, trust bundle and CRL.
+
+Everything a node says about itself on the network is proven by this
+material; nothing else (ids, roles) is ever taken from a message body.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+from cryptography import x509
+
+from hypha.errors import ConfigError
+from hypha.pki.certs import load_cert_chain
+from hypha.pki.crl import RevocationChecker
+from hypha.pki.identity import PeerIdentity, identity_of_pem
+
+
+class TlsPaths(Protocol):
+    """What a config's ``[tls]`` section provides."""
+
+    @property
+    def cert(self) -> Path: ...
+    @property
+    def key(self) -> Path: ...
+    @property
+    def trust(self) -> Path: ...
+    @property
+    def crl(self) -> Path | None: ...
+
+
+@dataclass(frozen=True)
+class PathsTls:
+    """A plain ``TlsPaths`` for code that has file names but no config object."""
+
+    cert: Path
+    key: Path
+    trust: Path
+    crl: Path | None = None
+
+    @classmethod
+    def from_certs_dir(cls, certs_dir: Path, name: str, crl: Path | None = None) -> PathsTls:
+        """The ``--certs DIR --name N`` convention: N-cert.pem, N-key.pem, N-trust.pem."""
+        return cls(
+            certs_dir / f"{name}-cert.pem",
+            certs_dir / f"{name}-key.pem",
+            certs_dir / f"{name}-trust.pem",
+            crl,
+        )
+
+
+@dataclass
+class TlsMaterial:
+    """Loaded, validated TLS material; build once per process."""
+
+    cert_chain_pem: bytes
+    key_pem: bytes
+    trust_pem: bytes
+    identity: PeerIdentity
+    trusted_cas: list[x509.Certificate]
+    revocation: RevocationChecker = field(repr=False)
+
+    @classmethod
+    def load(cls, paths: TlsPaths) -> TlsMaterial:
+        for label, path in (("tls.cert", paths.cert), ("tls.key", paths.key), ("tls.trust", paths.trust)):
+            if not Path(path).is_file():
+                raise ConfigError(f"{label}: file not found: {path}")
+        chain_pem = Path(paths.cert).read_bytes()
+        key_pem = Path(paths.key).read_bytes()
+        trust_pem = Path(paths.trust).read_bytes()
+        try:
+            leaf = load_cert_chain(Path(paths.cert))[0]
+            trusted = load_cert_chain(Path(paths.trust))
+        except (ValueError, IndexError) as err:
+            raise ConfigError(f"tls: cannot read certificates: {err}") from err
+        from cryptography.hazmat.primitives import serialization
+
+        leaf_pem = leaf.public_bytes(serialization.Encoding.PEM)
+        return cls(
+            cert_chain_pem=chain_pem,
+            key_pem=key_pem,
+            trust_pem=trust_pem,
+            identity=identity_of_pem(leaf_pem),
+            trusted_cas=trusted,
+            revocation=RevocationChecker(Path(paths.crl) if paths.crl else None, trusted),
+        )
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        # Client certificates are required: an anonymous caller never reaches a handler.
+        return grpc.ssl_server_credentials(
+            [(self.key_pem, self.cert_chain_pem)],
+            root_certificates=self.trust_pem,
+            require_client_auth=True,
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.trust_pem,
+            private_key=self.key_pem,
+            certificate_chain=self.cert_chain_pem,
+        )

@@ -1,0 +1,281 @@
+"""The DHT over real UDP on 127.0.0.1: nodes started in-process, records signed by real certificates."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import umsgpack
+from kademlia.utils import digest
+
+from hypha.dht import DhtNode, Publisher, RecordVerifier, provider_key
+from hypha.dht.protocol import PAGE_BUDGET_BYTES
+from hypha.dht.records import ProviderRecord, sign_record
+from tests.conftest import Pki
+from tests.dht.test_records import Identity, issue_identity, trusted_roots
+from tests.helpers import eventually
+
+Cluster = Callable[..., Awaitable[list[DhtNode]]]
+
+
+@pytest.fixture(scope="module")
+def providers(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> list[Identity]:
+    out = tmp_path_factory.mktemp("dht-certs")
+    return [issue_identity(pki, "data", f"dht-data-{i}", out) for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def stranger(foreign_pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Identity:
+    return issue_identity(foreign_pki, "data", "dht-stranger", tmp_path_factory.mktemp("dht-foreign"))
+
+
+@pytest.fixture
+async def cluster(pki: Pki) -> AsyncIterator[Cluster]:
+    """Start ``n`` nodes that all bootstrap from the first; every node is stopped at teardown."""
+    started: list[DhtNode] = []
+
+    async def start(n: int = 10, *, max_skew_s: float = 5.0, **options: Any) -> list[DhtNode]:
+        verifier = RecordVerifier(trusted_roots(pki), max_skew_s=max_skew_s)
+        options = {"rpc_timeout_s": 1.0, **options}
+        first = await DhtNode.create(verifier=verifier, **options)
+        started.append(first)
+        for _ in range(n - 1):
+            started.append(await DhtNode.create(bootstrap=[first.address], verifier=verifier, **options))
+        return started[-n:]
+
+    yield start
+    for node in started:
+        await node.stop()
+
+
+def signed(
+    ident: Identity, dataset: str = "mnist", *, seq: int = 1, lifetime_s: float = 60.0, port: int = 7000
+) -> bytes:
+    record = ProviderRecord.issue(
+        dataset, ident.peer_id, [f"127.0.0.1:{port}"], 16, seq=seq, now=time.time(), lifetime_s=lifetime_s
+    )
+    return sign_record(record, ident.key, ident.chain)
+
+
+async def raw_call(address: tuple[str, int], method: str, *args: Any, timeout_s: float = 2.0) -> Any:
+    """One rpcudp request from a bare socket, the way a hostile peer would send it."""
+
+    class Inbox(asyncio.DatagramProtocol):
+        def __init__(self) -> None:
+            self.replies: asyncio.Queue[bytes] = asyncio.Queue(maxsize=8)
+
+        def datagram_received(self, data: bytes, addr: Any) -> None:
+            self.replies.put_nowait(data)
+
+    loop = asyncio.get_running_loop()
+    transport, inbox = await loop.create_datagram_endpoint(Inbox, local_addr=("127.0.0.1", 0))
+    try:
+        msg_id = os.urandom(20)
+        transport.sendto(b"\x00" + msg_id + umsgpack.packb([method, list(args)]), address)
+        reply = await asyncio.wait_for(inbox.replies.get(), timeout_s)
+    finally:
+        transport.close()
+    assert reply[:21] == b"\x01" + msg_id
+    return umsgpack.unpackb(reply[21:])
+
+
+def addr(node: DhtNode) -> tuple[str, int]:
+    return (node.host, node.port)
+
+
+async def test_lookup_finds_every_provider_of_a_dataset(cluster: Cluster, providers: list[Identity]) -> None:
+    # Prepare: three data nodes announce the same dataset from three different DHT nodes.
+    nodes = await cluster(10, ksize=4)
+    for i, ident in enumerate(providers[:3]):
+        assert await nodes[i + 1].announce(signed(ident, port=7000 + i)) > 0
+
+    # Execute
+    found = await nodes[-1].find_providers("mnist", timeout_s=5.0)
+
+    # Assert
+    assert {r.provider for r in found} == {p.peer_id for p in providers[:3]}
+    assert {r.addresses for r in found} == {("127.0.0.1:7000",), ("127.0.0.1:7001",), ("127.0.0.1:7002",)}
+    assert await nodes[-1].find_providers("unknown-dataset", timeout_s=5.0) == []
+
+
+async def test_providers_beyond_one_reply_page_are_all_found(
+    cluster: Cluster, providers: list[Identity]
+) -> None:
+    nodes = await cluster(6)
+    blobs = [signed(ident, "imagenet") for ident in providers]
+    for i, blob in enumerate(blobs):
+        await nodes[i % 3].announce(blob)
+    first_page = await raw_call(addr(nodes[4]), "get_providers", os.urandom(20), provider_key("imagenet"), "")
+
+    found = await nodes[5].find_providers("imagenet", timeout_s=5.0)
+
+    assert sum(len(b) for b in blobs) > PAGE_BUDGET_BYTES
+    assert first_page["next"] is not None and len(first_page["providers"]) < len(providers)
+    assert len(found) == len(providers)
+
+
+async def test_non_scalar_store_is_rejected_and_the_key_still_works(cluster: Cluster) -> None:
+    # Prepare
+    nodes = await cluster(8)
+    assert await nodes[0].set_value("greeting", b"hello")
+    attacker_id = os.urandom(20)
+
+    # Execute: a peer tries to overwrite the key, and to plant a new one, with a list.
+    replies = []
+    for node in nodes:
+        replies.append(await raw_call(addr(node), "store", attacker_id, digest("greeting"), [1, 2, 3]))
+        replies.append(await raw_call(addr(node), "store", attacker_id, digest("poison"), {"a": 1}))
+
+    # Assert: refused everywhere; reads of both keys still work.
+    assert replies == [False] * len(replies)
+    assert await nodes[-1].get_value("greeting") == b"hello"
+    assert await nodes[-1].get_value("poison") is None
+
+
+async def test_garbage_datagrams_do_not_break_a_node(cluster: Cluster) -> None:
+    nodes = await cluster(2)
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_datagram_endpoint(asyncio.DatagramProtocol, local_addr=("127.0.0.1", 0))
+    for junk in (
+        b"\x00" + os.urandom(20) + b"\xc1",
+        b"\x00" + os.urandom(20) + umsgpack.packb("x"),
+        b"\x07" * 40,
+    ):
+        transport.sendto(junk, addr(nodes[1]))
+    transport.close()
+
+    # A request with the wrong number of arguments is dropped, a good one still answered.
+    with pytest.raises(TimeoutError):
+        await raw_call(addr(nodes[1]), "ping", timeout_s=0.3)
+    assert await raw_call(addr(nodes[1]), "ping", os.urandom(20)) == nodes[1].node_id
+
+
+async def test_storers_refuse_forged_and_misfiled_records(
+    cluster: Cluster, providers: list[Identity], stranger: Identity
+) -> None:
+    nodes = await cluster(3)
+    attacker_id = os.urandom(20)
+    foreign = signed(stranger)
+    misfiled = signed(providers[0], "cifar")
+
+    assert (
+        await raw_call(addr(nodes[1]), "add_provider", attacker_id, provider_key("mnist"), foreign) is False
+    )
+    assert (
+        await raw_call(addr(nodes[1]), "add_provider", attacker_id, provider_key("mnist"), misfiled) is False
+    )
+    assert await raw_call(addr(nodes[1]), "add_provider", attacker_id, provider_key("mnist"), [1]) is False
+    assert await nodes[2].find_providers("mnist", timeout_s=2.0) == []
+
+
+async def test_reader_keeps_the_highest_seq_and_storers_refuse_replays(
+    cluster: Cluster, providers: list[Identity]
+) -> None:
+    # Prepare: seq 3 everywhere, then seq 5 on one storer only.
+    nodes = await cluster(6)
+    ident = providers[0]
+    old, new = signed(ident, seq=3, port=7003), signed(ident, seq=5, port=7005)
+    await nodes[1].announce(old)
+    key, attacker_id = provider_key("mnist"), os.urandom(20)
+    assert await raw_call(addr(nodes[2]), "add_provider", attacker_id, key, new) is True
+
+    # Execute: replaying the old record to the storer that holds the new one.
+    replay = await raw_call(addr(nodes[2]), "add_provider", attacker_id, key, old)
+    found = await nodes[5].find_providers("mnist", timeout_s=5.0)
+
+    # Assert
+    assert replay is False
+    assert [(r.seq, r.addresses) for r in found] == [(5, ("127.0.0.1:7005",))]
+
+
+async def test_lookup_with_dead_nodes_finishes_in_time_and_finds_live_copies(
+    cluster: Cluster, providers: list[Identity]
+) -> None:
+    # Prepare: records everywhere, then a third of the network dies.
+    nodes = await cluster(9, rpc_timeout_s=2.0)
+    for i, ident in enumerate(providers[:3]):
+        await nodes[i].announce(signed(ident, port=7000 + i))
+    for node in nodes[3:6]:
+        await node.stop()
+
+    # Execute
+    started = time.monotonic()
+    found = await nodes[8].find_providers("mnist", timeout_s=1.5)
+    elapsed = time.monotonic() - started
+
+    # Assert: within the lookup deadline (not one 2 s RPC timeout per dead peer).
+    assert elapsed < 1.5 + 0.3
+    assert len(found) == 3
+
+
+async def test_lookup_with_every_peer_dead_returns_at_its_deadline(
+    cluster: Cluster, providers: list[Identity]
+) -> None:
+    nodes = await cluster(5, rpc_timeout_s=5.0)
+    for node in nodes[1:]:
+        await node.stop()
+
+    started = time.monotonic()
+    found = await nodes[0].find_providers("mnist", timeout_s=0.4)
+    elapsed = time.monotonic() - started
+
+    assert found == []
+    assert elapsed < 0.4 + 0.3
+
+
+async def test_republish_bumps_seq_and_outlives_the_first_expiry(
+    cluster: Cluster, providers: list[Identity]
+) -> None:
+    # Prepare
+    skew = 0.1
+    nodes = await cluster(6, max_skew_s=skew)
+    ident = providers[0]
+    publisher = Publisher(nodes[1], ident.key, ident.chain, lifetime_s=1.0, republish_fraction=0.4)
+
+    async with publisher:
+        # Execute
+        first = await publisher.publish("mnist", ["127.0.0.1:7000"], 16)
+        await eventually(lambda: time.time() > first.expires_at + skew, timeout=5.0, message="first expiry")
+        found = await nodes[4].find_providers("mnist", timeout_s=2.0)
+
+    # Assert: a newer record, alive after the first one died.
+    assert len(found) == 1
+    assert found[0].seq > first.seq
+    assert found[0].expires_at > first.expires_at
+    assert publisher.records["mnist"].seq >= found[0].seq
+
+
+async def test_bootstrap_resolves_host_names(cluster: Cluster, pki: Pki) -> None:
+    nodes = await cluster(2)
+    verifier = RecordVerifier(trusted_roots(pki))
+
+    async with await DhtNode.create(bootstrap=[f"localhost:{nodes[0].port}"], verifier=verifier) as late:
+        assert late.contacts() >= 1
+        assert late.port not in (0, nodes[0].port)
+
+
+async def test_node_started_before_its_bootstrap_peer_answers_joins_later(
+    cluster: Cluster, pki: Pki, providers: list[Identity], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: the bootstrap peer is up but not answering yet.
+    (peer,) = await cluster(1)
+    with monkeypatch.context() as patch:
+        patch.setattr(peer.protocol, "rpc_ping", lambda *args: 1 / 0)
+        early = await DhtNode.create(bootstrap=[peer.address], verifier=peer.verifier, rpc_timeout_s=0.3)
+    try:
+        assert early.contacts() == 0
+
+        # Execute: once it answers, the next announce joins first.
+        accepted = await early.announce(signed(providers[0]))
+
+        # Assert
+        assert accepted == 1
+        assert [r.provider for r in await peer.find_providers("mnist", timeout_s=2.0)] == [
+            providers[0].peer_id
+        ]
+    finally:
+        await early.stop()

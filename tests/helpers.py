@@ -1,0 +1,113 @@
+"""Test helpers: waiting without sleeping, and real node processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+async def eventually(
+    predicate: Callable[[], Any | Awaitable[Any]],
+    timeout: float = 10.0,
+    interval: float = 0.02,
+    message: str = "condition",
+) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
+    while True:
+        try:
+            value = predicate()
+            if asyncio.iscoroutine(value) or isinstance(value, Awaitable):
+                value = await value
+            if value:
+                return value
+        except AssertionError as err:
+            last_error = err
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{message} not reached within {timeout}s") from last_error
+        await asyncio.sleep(interval)
+
+
+def wait_for_file(path: Path, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> str:
+    """Block until ``path`` exists (a ready file), or the process dies, or timeout."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.returncode} before writing {path}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} not written within {timeout}s")
+        time.sleep(0.02)
+    return path.read_text()
+
+
+class NodeProcess:
+    """A role's CLI run as a real subprocess, ready when it writes its ready file."""
+
+    def __init__(self, argv: list[str], workdir: Path, name: str, env: dict[str, str] | None = None) -> None:
+        self.ready_file = workdir / f"{name}.ready"
+        self.log_path = workdir / f"{name}.log"
+        self.ready_file.unlink(missing_ok=True)
+        self._log = open(self.log_path, "wb")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            [*argv, "--ready-file", str(self.ready_file)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+        )
+        self.info: dict[str, Any] = {}
+
+    def wait_ready(self, timeout: float = 30.0) -> dict[str, Any]:
+        try:
+            self.info = json.loads(wait_for_file(self.ready_file, timeout, self.proc))
+        except AssertionError as err:
+            raise AssertionError(f"{err}\n--- log ---\n{self.log()}") from err
+        return self.info
+
+    @property
+    def address(self) -> str:
+        return str(self.info["address"])
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+def cli(name: str) -> list[str]:
+    """Argv prefix running a console script of this checkout (no PATH lookup)."""
+    modules = {
+        "hypha": "hypha.client.cli",
+        "hypha-gateway": "hypha.gateway.cli",
+        "hypha-scheduler": "hypha.scheduler.cli",
+        "hypha-worker": "hypha.worker.cli",
+        "hypha-data": "hypha.data.cli",
+        "hypha-certutil": "hypha.pki.cli",
+    }
+    return [sys.executable, "-m", modules[name]]
