@@ -1,0 +1,92 @@
+"""Settings of the scheduler role: the common node sections plus [scheduler].
+
+Market timings default to the reference system's values (ARCHITECTURE §5).
+NOTE: ``offer_window_s`` must end before the offers collected in it lapse on
+the workers, which hold them for ``worker.batch_window_s`` (when the window
+opens) plus ``worker.offer_ttl_s``: 0.2 s + 0.5 s by default, so the window
+defaults to 0.4 s. An accept that still arrives too late fails on that worker,
+and the allocation advertises again for what it is missing (until
+``allocate_timeout_s``), so a mismatch costs time, never a double promise.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from hypha.config.common import NodeSettings
+from hypha.market.policies import POLICY_NAMES
+
+ExecutorName = Literal["diloco-trainer", "parameter-server", "task"]
+
+
+class PoolSection(BaseModel):
+    """Workers held from start to shutdown, whatever jobs do: warm capacity, and an operations check."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    count: int = Field(
+        0, ge=0, description="Workers to lease at start and keep (lost ones are replaced); 0: none."
+    )
+    executor: ExecutorName = Field("task", description="Executor kind the pool's workers must run.")
+    cpu: float = Field(0.0, ge=0, description="Minimum CPU cores per worker.")
+    memory_gb: float = Field(0.0, ge=0, description="Minimum memory per worker, GB.")
+    storage_gb: float = Field(0.0, ge=0, description="Minimum free disk per worker, GB.")
+    gpu: float = Field(0.0, ge=0, description="Minimum GPUs per worker.")
+    gpu_memory_gb: float = Field(0.0, ge=0, description="Minimum total GPU memory per worker, GB.")
+    bid: float | None = Field(None, ge=0, description="Published bid (default: scheduler.bid).")
+    max_price: float | None = Field(None, ge=0, description="Private maximum (default: scheduler.max_price).")
+
+
+class SchedulerSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    grace_s: float = Field(5.0, ge=0, description="Seconds in-flight calls get to finish on shutdown.")
+    # ---- buying workers --------------------------------------------------------
+    bid: float = Field(1.0, ge=0, description="Default bid published in advertisements.")
+    max_price: float = Field(
+        10.0, ge=0, description="Default private maximum: offers priced above it are ignored."
+    )
+    policy: str = Field(
+        "price-performance",
+        description="Default selection policy: price-performance, round-robin, least-loaded, best-fit, "
+        "balanced or performance-aware.",
+    )
+    offer_window_s: float = Field(
+        0.4,
+        gt=0,
+        description="How long offers are collected after an advertisement (less when enough "
+        "arrive sooner). Keep it below the workers' batch_window_s + offer_ttl_s (0.7 s by default).",
+    )
+    allocate_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="How long one allocation may take; also the deadline its advertisements "
+        "carry. Within it, missing workers are advertised for again, one window at a time.",
+    )
+    lease_ttl_s: float = Field(
+        10.0, gt=0, description="Lease life asked for on accept and renewal; leases are renewed at 2/3 of it."
+    )
+    rpc_timeout_s: float = Field(2.0, gt=0, description="Deadline of one accept, renew or release call.")
+    connect_timeout_s: float = Field(
+        2.0, gt=0, description="How long a direct connection to a worker may take before the relay is used."
+    )
+    replace_retry_s: float = Field(
+        1.0, gt=0, description="Pause between attempts to replace a lost worker while none is found."
+    )
+    pool: PoolSection = Field(default_factory=PoolSection, description="A standing pool of leased workers.")
+
+    @model_validator(mode="after")
+    def _check(self) -> SchedulerSection:
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {self.policy!r} (valid: {', '.join(POLICY_NAMES)})")
+        if self.max_price < self.bid:
+            raise ValueError("max_price must be at least bid")
+        if self.offer_window_s >= self.allocate_timeout_s:
+            raise ValueError("offer_window_s must be shorter than allocate_timeout_s")
+        return self
+
+
+class SchedulerSettings(NodeSettings):
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="Scheduler settings.")

@@ -1,0 +1,1 @@
+"""The resource market over real gateways, TLS and node links."""
