@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 from hypha.net.server import NodeServer, ServiceBinding
 from hypha.net.telemetry import shutdown_tracing
@@ -67,6 +67,17 @@ class Node:
     def addresses(self) -> list[str]:
         """Where peers can call this node directly."""
         return self._external or [self.server.address]
+
+    def ready_info(self) -> dict[str, Any]:
+        """What the ready line (and ready file) tells supervisors about this node."""
+        return {
+            "event": "ready",
+            "name": self.name,
+            "role": self.tls.identity.role.value,
+            "peer_id": self.peer_id,
+            "address": self.address,
+            "port": self.server.port,
+        }
 
     def add_part(self, part: Part) -> None:
         self.parts.append(part)

@@ -6,7 +6,10 @@ node. Stop order is the reverse (see ``hypha.node.Node.stop``).
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypha.gateway.config import GatewaySettings
+from hypha.gateway.dht import GatewayDht
 from hypha.gateway.federation import Federation
 from hypha.gateway.hub import Hub
 from hypha.gateway.servicer import GatewayServicer
@@ -18,6 +21,10 @@ from hypha.v1 import gateway_pb2_grpc
 class GatewayNode(Node):
     hub: Hub
     federation: Federation
+    dht: GatewayDht | None
+
+    def ready_info(self) -> dict[str, Any]:
+        return {**super().ready_info(), "dht": self.dht.address if self.dht else ""}
 
 
 def build(settings: GatewaySettings, tls: TlsMaterial) -> GatewayNode:
@@ -44,4 +51,7 @@ def build(settings: GatewaySettings, tls: TlsMaterial) -> GatewayNode:
     # Parts stop in reverse: federation first, then the hub ends every stream.
     node.add_part(hub)
     node.add_part(node.federation)
+    node.dht = GatewayDht(tls, cfg) if cfg.dht_port is not None else None
+    if node.dht is not None:
+        node.add_part(node.dht)
     return node

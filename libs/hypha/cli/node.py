@@ -174,15 +174,7 @@ async def _serve(build: Callable[[], Node], ready_file: Path | None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await node.start()
-    ready = {
-        "event": "ready",
-        "name": node.name,
-        "role": node.tls.identity.role.value,
-        "peer_id": node.peer_id,
-        "address": node.address,
-        "port": node.server.port,
-    }
-    line = json.dumps(ready)
+    line = json.dumps(node.ready_info())
     print(line, flush=True)
     if ready_file:
         tmp = ready_file.with_suffix(ready_file.suffix + ".tmp")
