@@ -4,9 +4,11 @@ Market timings default to the reference system's values (ARCHITECTURE §5).
 NOTE: ``offer_window_s`` must end before the offers collected in it lapse on
 the workers, which hold them for ``worker.batch_window_s`` (when the window
 opens) plus ``worker.offer_ttl_s``: 0.2 s + 0.5 s by default, so the window
-defaults to 0.4 s. An accept that still arrives too late fails on that worker,
-and the allocation advertises again for what it is missing (until
-``allocate_timeout_s``), so a mismatch costs time, never a double promise.
+defaults to 0.4 s. A mismatch is tolerated twice over: the window closes
+early, ``accept_margin_s`` before the first offer it kept would lapse, and an
+accept that still arrives too late fails on that worker, after which the
+allocation advertises again for what it is missing (until
+``allocate_timeout_s``). It costs time, never a double promise.
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ class SchedulerSection(BaseModel):
         gt=0,
         description="How long offers are collected after an advertisement (less when enough "
         "arrive sooner). Keep it below the workers' batch_window_s + offer_ttl_s (0.7 s by default).",
+    )
+    accept_margin_s: float = Field(
+        0.1,
+        ge=0,
+        description="Offers are accepted at least this long before they lapse: the window "
+        "closes early when the first offer kept would otherwise expire before it is accepted.",
     )
     allocate_timeout_s: float = Field(
         5.0,

@@ -293,10 +293,13 @@ class SchedulerMarket:
             )
             await self.link.publish(WORKER_TOPIC, ad.to_proto().SerializeToString())
             self.stats["advertisements"] += 1
-            while not allocation.complete(self._clock()):
+            while not allocation.complete(now := self._clock()):
+                closes_at = self._closes_at(allocation)
+                if now >= closes_at:
+                    break
                 current.arrived.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(current.arrived.wait(), max(0.0, window_ends_at - self._clock()))
+                    await asyncio.wait_for(current.arrived.wait(), closes_at - now)
             choice = allocation.choose(self._clock())
         finally:
             del self._rounds[request_id]
@@ -306,6 +309,17 @@ class SchedulerMarket:
             self._spawn(self._release_offer(loser), f"release offer {loser.offer_id}")
         accepted = await asyncio.gather(*(self._accept(offer, allocation, terms) for offer in choice.winners))
         return [lease for lease in accepted if lease is not None]
+
+    def _closes_at(self, allocation: Allocation) -> float:
+        """The window's end, or earlier: in time to accept the first kept offer before it lapses.
+
+        NOTE: this is what makes a window longer than the workers' offer ttl
+        safe; without it a lone early offer would always lapse before the choice.
+        """
+        expiries = [offer.expires_at for offer in allocation.candidates()]
+        if not expiries:
+            return allocation.window_ends_at
+        return min(allocation.window_ends_at, min(expiries) - self.section.accept_margin_s)
 
     async def _accept(self, offer: OfferView, allocation: Allocation, terms: _Terms) -> HeldLease | None:
         sent_at = self._clock()

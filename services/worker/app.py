@@ -16,6 +16,7 @@ import logging
 
 from hypha.net.connector import PeerConnector
 from hypha.net.link import NodeLink
+from hypha.net.mesh import MeshParts
 from hypha.net.relay import Relay
 from hypha.net.tls import TlsMaterial
 from hypha.node import Node
@@ -26,21 +27,6 @@ from hypha.worker.market import WorkerMarket
 from hypha.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
-
-
-class _LinkPart:
-    """Starts the gateway link once the server is bound, so the link announces real addresses."""
-
-    def __init__(self, node: Node, link: NodeLink) -> None:
-        self.node = node
-        self.link = link
-
-    async def start(self) -> None:
-        self.link.addresses = self.node.addresses
-        await self.link.start()
-
-    async def stop(self) -> None:
-        await self.link.stop()
 
 
 class WorkerNode(Node):
@@ -54,14 +40,8 @@ class WorkerNode(Node):
 def build(settings: WorkerSettings, tls: TlsMaterial) -> WorkerNode:
     cfg = settings.worker
     capacity = resources.capacity(settings.work_dir(), cfg.resources.limits(), cfg.max_resources.limits())
-    gateways = settings.net.gateways
-    link = (
-        NodeLink(tls, gateways, name=settings.name, max_message_bytes=settings.net.max_message_bytes)
-        if gateways
-        else None
-    )
-    relay = Relay(link) if link is not None else None
-    connector = PeerConnector(tls, relay, cfg.connect_timeout_s)
+    mesh = MeshParts.create(settings, tls, cfg.connect_timeout_s)
+    link, relay, connector = mesh.link, mesh.relay, mesh.connector
     market = WorkerMarket(tls.identity.peer_id, link, connector, cfg, capacity)
     servicer = WorkerServicer(market, settings.name)
     bindings = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "hypha.v1.Worker")]
@@ -83,26 +63,7 @@ def build(settings: WorkerSettings, tls: TlsMaterial) -> WorkerNode:
         market,
         servicer,
     )
-    node.add_part(_Closer(connector))  # first in, last out: peers' channels close after every user
-    if link is not None and relay is not None:
-        relay.serve(bindings)
-        link.on_disconnect.append(relay.link_lost)
-        node.add_part(_LinkPart(node, link))
-        node.add_part(relay)
-    else:
+    if not mesh.attach(node, bindings):
         log.warning("no gateway configured (net.gateways): this worker is not on the market")
     node.add_part(market)
     return node
-
-
-class _Closer:
-    """Closes the direct channels to peers after everything that used them stopped."""
-
-    def __init__(self, connector: PeerConnector) -> None:
-        self.connector = connector
-
-    async def start(self) -> None:
-        return None
-
-    async def stop(self) -> None:
-        await self.connector.close()

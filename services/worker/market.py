@@ -215,7 +215,13 @@ class WorkerMarket:
         self.stats["ads"] += 1
         if message.from_role is not Role.SCHEDULER:
             self.stats["unauthorized"] += 1
-            log.warning("advertisement from %s (role %s) ignored", message.from_peer, message.from_role.value)
+            if self.stats["unauthorized"] % 100 == 1:  # a flood must not flood the log too
+                log.warning(
+                    "advertisement from %s (role %s) ignored (%d so far)",
+                    message.from_peer,
+                    message.from_role.value,
+                    self.stats["unauthorized"],
+                )
             return
         try:
             msg = common_pb2.Advertisement.FromString(message.payload)

@@ -117,7 +117,9 @@ async def test_nodes_fail_over_when_a_gateway_process_is_killed(
             got = []
             async with asyncio.timeout(10):
                 while len(got) < 50:
-                    got.append((await sub.get()).payload)
+                    payload = (await sub.get()).payload
+                    if payload != b"probe":  # a probe still in flight from the failover check
+                        got.append(payload)
             assert got == [f"m{k}".encode() for k in range(50)]
     finally:
         for link in [*links, publisher]:

@@ -4,10 +4,13 @@ built with their role's ``build()``, talking through real gateways with mTLS."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from hypha.market.leases import LeaseState
@@ -20,9 +23,11 @@ from hypha.scheduler.app import build as build_scheduler
 from hypha.scheduler.config import SchedulerSettings
 from hypha.scheduler.market import LeaseEventKind
 from hypha.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from hypha.worker import resources
 from hypha.worker.app import WorkerNode
 from hypha.worker.app import build as build_worker
 from hypha.worker.config import WorkerSettings
+from hypha.worker.resources import ResourceLimits
 from tests.conftest import Pki
 from tests.gateway.conftest import Mesh
 from tests.helpers import eventually
@@ -131,9 +136,7 @@ async def test_a_scheduler_leases_n_workers_through_the_gateways(market: Market,
     )
 
     # An operator sees the lease in the worker's status.
-    async with secure_channel(
-        pki.tls("admin"), held[0].worker_id and by_peer[held[0].worker_id].address
-    ) as ch:
+    async with secure_channel(pki.tls("admin"), by_peer[held[0].worker_id].address) as ch:
         status = await worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.GetWorkerStatusRequest())
     assert [lease.lease_id for lease in status.leases] == [held[0].lease_id]
     assert status.leases[0].scheduler_id == scheduler.peer_id
@@ -279,3 +282,63 @@ async def test_a_lost_lease_is_reported_and_replaced(market: Market) -> None:
     assert replaced.kind is LeaseEventKind.REPLACED and replaced.replacement is not None
     assert replaced.replacement.worker_id == second.peer_id
     assert [lease.worker_id for lease in scheduler.market.leases()] == [second.peer_id]
+
+
+def test_a_worker_sells_detected_capacity_with_overrides_and_caps(tmp_path: Path) -> None:
+    detected = resources.detect(tmp_path, ResourceLimits(gpu=0, gpu_memory_gb=0))
+    assert detected.cpu == len(os.sched_getaffinity(0))
+    assert detected.memory_gb > 0 and detected.storage_gb > 0
+
+    sold = resources.capacity(
+        tmp_path,
+        overrides=ResourceLimits(memory_gb=64.0, gpu=2, gpu_memory_gb=48.0),
+        caps=ResourceLimits(cpu=0.5, memory_gb=16.0, storage_gb=1.0),
+    )
+
+    assert sold == Resources(
+        cpu=0.5, memory_gb=16.0, storage_gb=min(1.0, detected.storage_gb), gpu=2, gpu_memory_gb=48.0
+    )
+
+
+async def test_a_window_longer_than_the_offer_ttl_still_leases(market: Market) -> None:
+    worker = await market.worker("w-hasty", offer_ttl_s=0.3, batch_window_s=0.05)
+    scheduler = await market.scheduler("s-slow", offer_window_s=2.0)
+    await market.workers_listening(1)
+    started = time.monotonic()
+
+    # Two wanted, one exists: the window would wait 2 s for a second offer, far past the first's ttl.
+    held = await scheduler.market.allocate(TASK, 2, timeout_s=2.5)
+
+    assert [lease.worker_id for lease in held] == [worker.peer_id]
+    assert scheduler.market.stats["accepts_failed"] == 0
+    assert time.monotonic() - started >= 2.0  # it kept looking for the second worker meanwhile
+
+
+async def test_lease_calls_are_checked_against_the_callers_identity(market: Market, pki: Pki) -> None:
+    worker = await market.worker("w-auth")
+    scheduler = await market.scheduler("s-auth")
+    pki.issue("scheduler", "s-other")
+    offer = worker.market.ledger.reserve(scheduler.peer_id, Resources(cpu=1), ttl_s=30, now=time.time())
+
+    async def call(name: str, method: str, request: Any) -> Any:
+        async with secure_channel(pki.tls(name), worker.address) as channel:
+            return await getattr(worker_pb2_grpc.WorkerStub(channel), method)(request, timeout=5)
+
+    for caller, code in (
+        ("s-other", grpc.StatusCode.PERMISSION_DENIED),
+        ("worker", grpc.StatusCode.PERMISSION_DENIED),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call(caller, "AcceptOffer", worker_pb2.AcceptOfferRequest(offer_id=offer.lease_id))
+        assert err.value.code() == code
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call("s-auth", "RenewLease", worker_pb2.RenewLeaseRequest(lease_id="nope"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+    released = await call("s-auth", "ReleaseOffer", worker_pb2.ReleaseOfferRequest(offer_id=offer.lease_id))
+    again = await call("s-auth", "ReleaseOffer", worker_pb2.ReleaseOfferRequest(offer_id=offer.lease_id))
+    assert (released.released, again.released) == (True, False)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call("s-auth", "AcceptOffer", worker_pb2.AcceptOfferRequest(offer_id=offer.lease_id))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert worker.market.ledger.free() == CAPACITY

@@ -24,7 +24,7 @@ from types import TracebackType
 
 import grpc
 
-from hypha.errors import UnavailableError
+from hypha.errors import HyphaError, UnavailableError
 from hypha.net.backoff import Backoff
 from hypha.net.channel import secure_channel
 from hypha.net.messages import Message
@@ -179,7 +179,9 @@ class NodeLink:
         sub = Subscription(self, topic, direct=False, maxsize=maxsize)
         first = topic not in self._topics
         self._topics.setdefault(topic, []).append(sub)
-        if first and self.connected.is_set():
+        if first and self._task is not None:
+            # Always queue it (a session being set up may already have sent its
+            # topic list); a repeated subscribe is harmless at the gateway.
             self._enqueue_nowait(gateway_pb2.ClientFrame(subscribe=gateway_pb2.Subscribe(topic=topic)))
         return sub
 
@@ -284,7 +286,12 @@ class NodeLink:
                 raise UnavailableError("gateway closed the stream")
             kind = frame.WhichOneof("kind")
             if kind == "delivery":
-                await self._dispatch(Message.from_proto(frame.delivery))
+                try:
+                    message = Message.from_proto(frame.delivery)
+                except HyphaError as err:
+                    log.warning("dropping a delivery from %s: %s", frame.delivery.from_peer, err.message)
+                    continue
+                await self._dispatch(message)
             elif kind == "error":
                 log.warning(
                     "gateway error %s: %s", gateway_pb2.ErrorCode.Name(frame.error.code), frame.error.message

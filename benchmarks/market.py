@@ -1,0 +1,171 @@
+"""Resource market: time from advertisement to N=4 leases held, and messages
+exchanged per allocation, for pools of 50 and 200 worker agents, beside the
+bare pub/sub round trip (publish -> a subscriber receives -> direct reply back)
+measured in the same run on the same gateways.
+
+    python benchmarks/market.py [--quick]
+
+Every agent is a real worker node built with ``hypha.worker.app.build``
+(its own certificate, gRPC server, gateway link, relay and arbiter), all in
+this one process and event loop, attached round-robin to two federated
+gateways; the scheduler is a real scheduler node. Each allocation starts with
+the whole pool free (the previous one's leases are released first).
+
+figure = median allocate() time with 200 agents. The workers' batch window
+(worker.batch_window_s, 0.2 s by default) is part of it by design: a worker
+waits that long to see competing advertisements before it offers.
+Messages count one per pub/sub delivery (the advertisement to each agent)
+and two per RPC (request and response): offers, accepts, offer releases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from typing import Any
+
+from _common import median, percentile, report, temp_pki
+
+COUNT = 4
+MACHINE = {"cpu": 4.0, "memory_gb": 8.0, "storage_gb": 20.0, "gpu": 0.0, "gpu_memory_gb": 0.0}
+
+
+async def main(quick: bool) -> None:
+    from hypha.market.resources import ExecutorKind, Requirements, Resources
+    from hypha.net.messages import WORKER_TOPIC
+    from hypha.scheduler.app import build as build_scheduler
+    from hypha.scheduler.config import SchedulerSettings
+    from hypha.worker.app import build as build_worker
+    from hypha.worker.config import WorkerSettings
+    from tests.gateway.conftest import Mesh, until
+
+    rounds = 5 if quick else 20
+    pki = temp_pki()
+    mesh = Mesh(pki)
+    nodes: list[Any] = []
+
+    def base(name: str, gateway: str) -> dict[str, Any]:
+        paths = pki.paths(name)
+        return {
+            "name": name,
+            "tls": {"cert": paths.cert, "key": paths.key, "trust": paths.trust},
+            "net": {"listen": "127.0.0.1:0", "gateways": [gateway]},
+        }
+
+    async def add_worker(i: int, gateway: str) -> Any:
+        name = f"agent{i}"
+        pki.issue("worker", name)
+        node = build_worker(
+            WorkerSettings(**base(name, gateway), worker={"resources": MACHINE}), pki.tls(name)
+        )
+        await node.start()
+        nodes.append(node)
+        return node
+
+    try:
+        gateways = [g.address for g in await mesh.full_mesh(2)]
+        pki.issue("scheduler", "bench-sched")
+        scheduler = build_scheduler(
+            SchedulerSettings(**base("bench-sched", gateways[0])), pki.tls("bench-sched")
+        )
+        await scheduler.start()
+        nodes.append(scheduler)
+        await scheduler.link.wait_connected(10)
+        market = scheduler.market
+        need = Requirements(Resources(cpu=1.0, memory_gb=1.0), ExecutorKind.TASK)
+
+        # ---- baseline: publish -> one subscriber -> direct reply -------------
+        echo = await mesh.add_link("worker", "bench-echo", [gateways[1]])
+        echo_sub = echo.subscribe("bench/rtt")
+        replies = scheduler.link.direct("bench/rtt-reply")
+
+        async def echo_loop() -> None:
+            async for message in echo_sub:
+                await echo.send(message.from_peer, message.payload, "bench/rtt-reply")
+
+        echo_task = asyncio.create_task(echo_loop())
+        await until(lambda: any(g.hub.topics.get("bench/rtt") for g in mesh.gateways), "echo subscribed")
+        rtt: list[float] = []
+        for k in range(10 + rounds * 10):
+            t0 = time.perf_counter()
+            await scheduler.link.publish("bench/rtt", k.to_bytes(4, "big"))
+            await replies.get(timeout=10)
+            if k >= 10:
+                rtt.append(time.perf_counter() - t0)
+        echo_task.cancel()
+
+        # ---- the market, for each pool size -------------------------------------
+        results: dict[int, dict[str, float]] = {}
+        workers: list[Any] = []
+        for pool in (50, 200):
+            for i in range(len(workers), pool):
+                workers.append(await add_worker(i, gateways[i % 2]))
+            await until(
+                lambda: sum(len(g.hub.topics.get(WORKER_TOPIC, ())) for g in mesh.gateways) >= pool,  # noqa: B023
+                "agents subscribed",
+                timeout=60,
+            )
+            times: list[float] = []
+            messages: list[float] = []
+            short = 0
+            for k in range(rounds + 1):  # the first round warms up connections
+                before_s = dict(market.stats)
+                before_ads = sum(w.market.stats["ads"] for w in workers)
+                t0 = time.perf_counter()
+                held = await market.allocate(need, COUNT)
+                elapsed = time.perf_counter() - t0
+                short += len(held) < COUNT
+                await market.release_all()
+                # Let late offers be refused and withdrawn, so the next round starts with a free pool.
+                await until(lambda: all(not w.market.ledger.live() for w in workers), "pool free", timeout=30)
+                ads = sum(w.market.stats["ads"] for w in workers) - before_ads
+                rpcs = sum(
+                    market.stats[key] - before_s.get(key, 0)
+                    for key in ("offers", "accepted", "offers_released")
+                )
+                if k > 0:
+                    times.append(elapsed)
+                    messages.append(1 + ads + 2 * rpcs)  # 1: the publish to the gateway
+            results[pool] = {
+                "p50_ms": median(times) * 1000,
+                "p99_ms": percentile(times, 99) * 1000,
+                "messages": median(messages),
+                "short": short,
+            }
+    finally:
+        for node in reversed(nodes):
+            await node.stop()
+        await mesh.close()
+
+    base_ms = median(rtt) * 1000
+    big = results[200]["p50_ms"]
+    report(
+        "market",
+        big,
+        "ms",
+        base_ms,
+        big / base_ms,
+        alloc_p50_ms_pool50=round(results[50]["p50_ms"], 2),
+        alloc_p99_ms_pool50=round(results[50]["p99_ms"], 2),
+        messages_pool50=results[50]["messages"],
+        alloc_p50_ms_pool200=round(big, 2),
+        alloc_p99_ms_pool200=round(results[200]["p99_ms"], 2),
+        beyond_batch_window_ms_pool200=round(big - 200.0, 2),
+        messages_pool200=results[200]["messages"],
+        short_allocations=results[50]["short"] + results[200]["short"],
+        pubsub_rtt_p50_ms=round(base_ms, 3),
+        pubsub_rtt_p99_ms=round(percentile(rtt, 99) * 1000, 3),
+        leases=COUNT,
+        batch_window_ms=200,
+        rounds=rounds,
+        gateways=2,
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    logging.basicConfig(level=logging.ERROR)
+    asyncio.run(main(parser.parse_args().quick))

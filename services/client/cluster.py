@@ -1,0 +1,322 @@
+"""``hypha up`` / ``hypha down``: a whole cluster on this machine, as plain
+processes (no containers).
+
+The state dir holds everything: a PKI made on first run (and reused), one
+config per node, logs, and ``cluster.json`` (the supervisor's pid and each
+node's pid, address and log). Nodes bind port 0; the supervisor reads each
+node's ready file and passes the addresses it needs to the nodes started
+after it with ``--set`` overrides, so configs never hold stale ports.
+
+Start order: gateway gw0, gateway gw1 (federated with gw0, DHT bootstrapped
+through it), data node, scheduler, workers. Stop order is the reverse; each
+node gets SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hypha.pki import certs
+
+ROLE_MODULES = {
+    "gateway": "hypha.gateway.cli",
+    "scheduler": "hypha.scheduler.cli",
+    "worker": "hypha.worker.cli",
+    "data": "hypha.data.cli",
+}
+DEFAULT_STATE_DIR = Path(os.environ.get("HYPHA_STATE_DIR", ".hypha"))
+READY_TIMEOUT_S = 60.0
+STOP_GRACE_S = 10.0
+
+
+@dataclass
+class NodeSpec:
+    name: str
+    role: str
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Cluster:
+    state_dir: Path
+    workers: int = 3
+
+    @property
+    def pki_dir(self) -> Path:
+        return self.state_dir / "pki"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.state_dir / "data"
+
+    @property
+    def state_file(self) -> Path:
+        return self.state_dir / "cluster.json"
+
+    def node_names(self) -> list[tuple[str, str]]:
+        names = [("gw0", "gateway"), ("gw1", "gateway"), ("data0", "data"), ("scheduler", "scheduler")]
+        names += [(f"worker{i}", "worker") for i in range(self.workers)]
+        return names
+
+    # ---- first run: PKI and configs --------------------------------------
+
+    def ensure_pki(self) -> None:
+        pki = self.pki_dir
+        pki.mkdir(parents=True, exist_ok=True)
+        root_cert, root_key = pki / "root-ca-cert.pem", pki / "root-ca-key.pem"
+        if not root_cert.exists():
+            certs.make_root(pki)
+        org_cert, org_key = pki / "local-ca-cert.pem", pki / "local-ca-key.pem"
+        if not org_cert.exists():
+            certs.make_org(root_cert, root_key, "local", pki)
+        wanted = [*self.node_names(), ("client", "client"), ("admin", "admin")]
+        for name, role in wanted:
+            if not (pki / f"{name}-cert.pem").exists():
+                certs.make_node(org_cert, org_key, role, name, pki)
+
+    def config_path(self, name: str) -> Path:
+        return self.state_dir / "config" / f"{name}.toml"
+
+    def ensure_config(self, name: str, role: str) -> Path:
+        path = self.config_path(name)
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            module = __import__(ROLE_MODULES[role], fromlist=["main"])
+            code = module.main(["init", "--name", name, "--certs", str(self.pki_dir), "--out", str(path)])
+            if code != 0:
+                raise RuntimeError(f"could not write the config of {name}")
+        return path
+
+    # ---- running -----------------------------------------------------------
+
+    def read_state(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.state_file.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def running(self) -> dict[str, Any] | None:
+        """The live cluster's state, or None (a stale state file is ignored)."""
+        state = self.read_state()
+        if state and _alive(int(state.get("supervisor", 0))):
+            return state
+        return None
+
+
+def _has_key(role: str, key: str) -> bool:
+    """Whether the role's own config section has ``key``."""
+    module = __import__(ROLE_MODULES[role].replace(".cli", ".config"), fromlist=["*"])
+    for value in vars(module).values():
+        fields = getattr(value, "model_fields", {})
+        if role in fields:
+            section = fields[role].annotation
+            return key in getattr(section, "model_fields", {})
+    return False
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+class Supervisor:
+    """Starts the nodes in order, keeps them, and stops them all on a signal."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.info: dict[str, dict[str, Any]] = {}
+        self._stopping = False
+
+    def start_node(self, name: str, role: str, overrides: list[str]) -> dict[str, Any]:
+        cluster = self.cluster
+        config = cluster.ensure_config(name, role)
+        logs = cluster.state_dir / "logs"
+        run = cluster.state_dir / "run"
+        logs.mkdir(parents=True, exist_ok=True)
+        run.mkdir(parents=True, exist_ok=True)
+        ready = run / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        argv = [
+            sys.executable,
+            "-m",
+            ROLE_MODULES[role],
+            "run",
+            "--config",
+            str(config),
+            "--ready-file",
+            str(ready),
+        ]
+        for item in overrides:
+            argv += ["--set", item]
+        log_path = logs / f"{name}.log"
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = proc
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}; see {log_path}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} not ready within {READY_TIMEOUT_S:.0f}s; see {log_path}")
+            time.sleep(0.05)
+        info = json.loads(ready.read_text())
+        info.update(pid=proc.pid, log=str(log_path), config=str(config))
+        self.info[name] = info
+        return info
+
+    def start_all(self) -> None:
+        cluster = self.cluster
+        cluster.ensure_pki()
+        cluster.data_dir.mkdir(parents=True, exist_ok=True)
+        gw0 = self.start_node("gw0", "gateway", [])
+        gw1 = self.start_node(
+            "gw1",
+            "gateway",
+            [
+                f"gateway.peers={json.dumps([gw0['address']])}",
+                f"gateway.dht_bootstrap={json.dumps([gw0['dht']])}",
+            ],
+        )
+        gateways = json.dumps([gw0["address"], gw1["address"]])
+        dht = json.dumps([gw0["dht"], gw1["dht"]])
+        self.start_node(
+            "data0",
+            "data",
+            [
+                f"net.gateways={gateways}",
+                f"data.dht_bootstrap={dht}",
+                f"data.data_dir={json.dumps(str(cluster.data_dir))}",
+            ],
+        )
+        for name, role in cluster.node_names()[3:]:
+            overrides = [f"net.gateways={gateways}"]
+            if _has_key(role, "dht_bootstrap"):
+                overrides.append(f"{role}.dht_bootstrap={dht}")
+            overrides.append(f"state_dir={json.dumps(str(cluster.state_dir / 'nodes' / name))}")
+            self.start_node(name, role, overrides)
+        self.write_state()
+
+    def write_state(self) -> None:
+        state = {
+            "supervisor": os.getpid(),
+            "state_dir": str(self.cluster.state_dir.resolve()),
+            "pki": str(self.cluster.pki_dir.resolve()),
+            "nodes": self.info,
+        }
+        tmp = self.cluster.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.cluster.state_file)
+
+    def stop_all(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        for name in reversed(list(self.procs)):
+            stop_process(self.procs[name])
+        self.cluster.state_file.unlink(missing_ok=True)
+
+    def watch(self) -> int:
+        """Block until a signal (or a node dies: report it, keep the rest up)."""
+        stop = False
+
+        def on_signal(signum: int, frame: object) -> None:
+            nonlocal stop
+            stop = True
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        reported: set[str] = set()
+        while not stop:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None and name not in reported:
+                    reported.add(name)
+                    print(
+                        f"hypha up: {name} exited with {proc.returncode}; see {self.info[name]['log']}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            time.sleep(0.2)  # supervising children: poll their exit status
+        self.stop_all()
+        return 0
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    except ProcessLookupError:
+        pass
+
+
+def up(state_dir: Path, workers: int, *, quiet: bool = False) -> int:
+    cluster = Cluster(state_dir, workers)
+    if cluster.running():
+        print(
+            f"hypha up: a cluster is already running from {state_dir} (hypha down stops it)", file=sys.stderr
+        )
+        return 1
+    supervisor = Supervisor(cluster)
+    try:
+        supervisor.start_all()
+    except (RuntimeError, OSError) as err:
+        supervisor.stop_all()
+        print(f"hypha up: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        supervisor.stop_all()
+        return 130
+    if not quiet:
+        print(f"cluster up from {state_dir.resolve()} (Ctrl-C or `hypha down` stops it)")
+        for name, info in supervisor.info.items():
+            print(f"  {name:<10} {info['role']:<9} {info['address']:<22} log: {info['log']}")
+        print(f"  client certificates: --certs {cluster.pki_dir.resolve()} --name client", flush=True)
+    return supervisor.watch()
+
+
+def down(state_dir: Path, timeout_s: float = 30.0) -> int:
+    cluster = Cluster(state_dir)
+    state = cluster.read_state()
+    if state is None:
+        print(f"hypha down: no cluster state in {state_dir}", file=sys.stderr)
+        return 1
+    pid = int(state.get("supervisor", 0))
+    if _alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    # Whatever is left (the supervisor was killed): stop the nodes directly.
+    for info in state.get("nodes", {}).values():
+        node_pid = int(info.get("pid", 0))
+        if _alive(node_pid):
+            try:
+                os.killpg(node_pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    cluster.state_file.unlink(missing_ok=True)
+    print("cluster stopped")
+    return 0
