@@ -23,15 +23,25 @@ from hypha.pki.identity import PeerIdentity
 log = logging.getLogger(__name__)
 
 
-async def abort_with(context: grpc.aio.ServicerContext, err: BaseException, method: str) -> None:
-    """Translate an exception into the call's final status (the one mapping)."""
+def status_for(err: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    """The one mapping of an exception to the status and public message a caller sees.
+
+    HyphaError subclasses carry their own; the generated servicer base raises
+    NotImplementedError for RPCs a role does not serve; anything else is
+    logged here and answered with a sanitized INTERNAL.
+    """
     if isinstance(err, HyphaError):
-        await context.abort(err.status, err.message)
+        return err.status, err.message
     if isinstance(err, NotImplementedError):
-        # The generated servicer base raises this for RPCs a role does not serve.
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented")
-    log.exception("unhandled error in %s", method, exc_info=err)
-    await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+        return grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented"
+    log.error("unhandled error in %s", method, exc_info=err)
+    return grpc.StatusCode.INTERNAL, "internal error"
+
+
+async def abort_with(context: grpc.aio.ServicerContext, err: BaseException, method: str) -> None:
+    """End the call with ``status_for(err)``."""
+    code, message = status_for(err, method)
+    await context.abort(code, message)
 
 
 class ServerGuard(grpc.aio.ServerInterceptor):

@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 import grpc
 from cryptography import x509
 
-from hypha.errors import HyphaError
+from hypha.net.interceptors import status_for
 from hypha.net.messages import RELAY_CHANNEL, Message
 from hypha.net.policy import is_allowed
 from hypha.net.relay_client import (
@@ -357,16 +357,13 @@ class ServerCall:
         await self._send_status(code, details)
 
     async def _serve(self) -> tuple[grpc.StatusCode, str]:
-        """Run the handler; map its outcome the way ``interceptors.abort_with`` does."""
+        """Run the handler; map its outcome with the servers' one mapping (``status_for``)."""
         try:
             await self._invoke()
         except grpc.aio.AbortError:
             pass
-        except HyphaError as err:
-            return err.status, err.message
-        except Exception:
-            log.exception("unhandled error in relayed %s", self.method)
-            return grpc.StatusCode.INTERNAL, "internal error"
+        except Exception as err:
+            return status_for(err, self.method)
         return self.context.final_status()
 
     async def _invoke(self) -> None:
