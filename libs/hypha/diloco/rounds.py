@@ -414,5 +414,11 @@ class ParameterServerCore:
         for name, tensor in delta.items():
             if not tensor.is_floating_point():
                 raise InvalidArgumentError(f"delta tensor {name!r} is {tensor.dtype}, not floating point")
-            if self.reject_non_finite and not bool(torch.isfinite(tensor).all()):
+            # NaN and inf survive a sum, so a finite sum proves every element finite
+            # (~1 ms for 26M elements); only an overflowing sum needs the full scan.
+            if (
+                self.reject_non_finite
+                and not bool(torch.isfinite(tensor.sum()))
+                and not bool(torch.isfinite(tensor).all())
+            ):
                 raise InvalidArgumentError(f"delta tensor {name!r} holds NaN or infinity")
