@@ -48,6 +48,9 @@ class NodeSpec:
 class Cluster:
     state_dir: Path
     workers: int = 3
+    #: Extra ``--set KEY=VALUE`` overrides by node name or by role (a name's come after its role's),
+    #: e.g. ``{"worker": ["worker.lease_ttl_s=5"], "worker2": ["net.external_addresses=[...]"]}``.
+    overrides: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def pki_dir(self) -> Path:
@@ -56,6 +59,11 @@ class Cluster:
     @property
     def data_dir(self) -> Path:
         return self.state_dir / "data"
+
+    @property
+    def models_dir(self) -> Path:
+        """Models jobs of this cluster may name by local path."""
+        return self.state_dir / "models"
 
     @property
     def state_file(self) -> Path:
@@ -165,7 +173,7 @@ class Supervisor:
             "--ready-file",
             str(ready),
         ]
-        for item in overrides:
+        for item in [*overrides, *cluster.overrides.get(role, []), *cluster.overrides.get(name, [])]:
             argv += ["--set", item]
         log_path = logs / f"{name}.log"
         with open(log_path, "ab") as log_file:
@@ -187,6 +195,7 @@ class Supervisor:
         cluster = self.cluster
         cluster.ensure_pki()
         cluster.data_dir.mkdir(parents=True, exist_ok=True)
+        cluster.models_dir.mkdir(parents=True, exist_ok=True)
         gw0 = self.start_node("gw0", "gateway", [])
         gw1 = self.start_node(
             "gw1",
@@ -211,6 +220,15 @@ class Supervisor:
             overrides = [f"net.gateways={gateways}"]
             if _has_key(role, "dht_bootstrap"):
                 overrides.append(f"{role}.dht_bootstrap={dht}")
+            if role == "worker":
+                # All workers share this machine: split its cores, and let jobs use models
+                # saved under the state dir (``model.local_path``), e.g. the demo's.
+                threads = max(1, (os.cpu_count() or 1) // max(1, cluster.workers))
+                models = json.dumps([str(cluster.models_dir.resolve())])
+                overrides += [
+                    f"worker.jobs.threads_per_job={threads}",
+                    f"worker.jobs.local_model_roots={models}",
+                ]
             overrides.append(f"state_dir={json.dumps(str(cluster.state_dir / 'nodes' / name))}")
             self.start_node(name, role, overrides)
         self.write_state()

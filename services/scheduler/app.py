@@ -2,15 +2,28 @@
 
 Start order (``Node.start``): gRPC server (bound, so its address is known),
 gateway link (announces that address), relay (serves the scheduler's services
-to workers that cannot reach the server), market (renewals, standing pool).
-Stop order is the reverse: the market stops allocating and releases its
-leases while the link and relay can still carry the calls, then the relay,
-the link, the server.
+to workers that cannot reach the server), market (renewals, standing pool),
+jobs (the job store opens, the status bridge starts, the DHT endpoint joins,
+jobs a previous process left are settled and the active ones driven again,
+then the REST mirror opens; its URL is in the ready info as ``rest``).
+Stop order is the reverse: the REST mirror closes, orchestration stops driving jobs (their state
+stays in the store), then the market stops allocating and releases its
+leases while the link and relay can still carry the calls (the workers
+cancel what ran under them), then the relay, the link, the server.
+
+The store lives in ``<state_dir>/scheduler.db`` and results in
+``<state_dir>/results/``; without a state dir both are temporary (an
+in-memory database, a temporary directory removed at stop).
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
+from functools import partial
+from pathlib import Path
+from typing import Any
 
 from hypha.net.connector import PeerConnector
 from hypha.net.link import NodeLink
@@ -18,9 +31,14 @@ from hypha.net.mesh import MeshParts
 from hypha.net.relay import Relay
 from hypha.net.tls import TlsMaterial
 from hypha.node import Node
+from hypha.scheduler.api import SchedulerApi
 from hypha.scheduler.config import SchedulerSettings
+from hypha.scheduler.control import SchedulerControlServicer
 from hypha.scheduler.market import SchedulerMarket
-from hypha.scheduler.servicer import SchedulerControlServicer, SchedulerServicer
+from hypha.scheduler.metrics import SchedulerMetrics, StatusBridge
+from hypha.scheduler.orchestrator import DatasetProviders, Orchestrator
+from hypha.scheduler.rest import RestServer
+from hypha.scheduler.store import DB_NAME, JobStore, SqliteJobStore
 from hypha.v1 import scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -31,6 +49,57 @@ class SchedulerNode(Node):
     relay: Relay | None
     connector: PeerConnector
     market: SchedulerMarket
+    store: JobStore
+    orchestrator: Orchestrator
+    metrics: SchedulerMetrics
+    rest: RestServer | None
+
+    def ready_info(self) -> dict[str, Any]:
+        info = super().ready_info()
+        if self.rest is not None:
+            info["rest"] = self.rest.url
+        return info
+
+
+class _JobsPart:
+    """Job store, orchestrator, REST mirror and status bridge: started after the market, stopped before it."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        orchestrator: Orchestrator,
+        temp_dir: Path | None,
+        rest: RestServer | None,
+        bridge: StatusBridge | None,
+    ) -> None:
+        self.store = store
+        self.orchestrator = orchestrator
+        self.temp_dir = temp_dir
+        self.rest = rest
+        self.bridge = bridge
+
+    async def start(self) -> None:
+        # NOTE: the servicers were built with this JobStore before any event loop ran,
+        # so it is opened in place here (JobStore.open() would make another instance).
+        store = self.store
+        store._store = await store._call(partial(SqliteJobStore, store.path, **store._options))
+        if self.bridge is not None:
+            await self.bridge.start()
+        await self.orchestrator.start()
+        if self.rest is not None:
+            await self.rest.start()
+
+    async def stop(self) -> None:
+        try:
+            if self.rest is not None:
+                await self.rest.stop()
+            await self.orchestrator.stop()
+            if self.bridge is not None:
+                await self.bridge.stop()
+        finally:
+            await self.store.close()
+            if self.temp_dir is not None:
+                shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def build(settings: SchedulerSettings, tls: TlsMaterial) -> SchedulerNode:
@@ -38,11 +107,32 @@ def build(settings: SchedulerSettings, tls: TlsMaterial) -> SchedulerNode:
     mesh = MeshParts.create(settings, tls, cfg.connect_timeout_s)
     link, relay, connector = mesh.link, mesh.relay, mesh.connector
     market = SchedulerMarket(tls.identity.peer_id, link, connector, cfg)
+    temp_dir: Path | None = None
+    if settings.state_dir is not None:
+        state_dir = Path(settings.state_dir)
+        store = JobStore(state_dir / DB_NAME)
+    else:
+        temp_dir = state_dir = Path(tempfile.mkdtemp(prefix="hypha-scheduler-"))
+        store = JobStore(":memory:")
+    metrics = SchedulerMetrics()
+    metrics.watch_store(store.counts)
+    providers = DatasetProviders(tls, cfg) if cfg.dht_bootstrap else None
+    bridge = StatusBridge(cfg.status_bridge) if cfg.status_bridge else None
+    orchestrator = Orchestrator(
+        market, store, cfg, state_dir, providers, metrics=metrics, status_bridge=bridge
+    )
+
+    async def busy_flags() -> list[bool]:
+        return [bool(view.job_id) for view in await orchestrator.list_workers()]
+
+    metrics.watch_workers(busy_flags)
+    api = SchedulerApi(store, orchestrator, metrics=metrics)
+    rest = RestServer(api, tls, cfg.rest_listen, metrics=metrics) if cfg.rest_listen else None
     bindings = [
-        (scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(market), "hypha.v1.Scheduler"),
+        (scheduler_pb2_grpc.add_SchedulerServicer_to_server, api, "hypha.v1.Scheduler"),
         (
             scheduler_pb2_grpc.add_SchedulerControlServicer_to_server,
-            SchedulerControlServicer(market),
+            SchedulerControlServicer(market, orchestrator),
             "hypha.v1.SchedulerControl",
         ),
     ]
@@ -58,7 +148,9 @@ def build(settings: SchedulerSettings, tls: TlsMaterial) -> SchedulerNode:
     )
     market.addresses = lambda: node.addresses
     node.link, node.relay, node.connector, node.market = link, relay, connector, market
+    node.store, node.orchestrator, node.metrics, node.rest = store, orchestrator, metrics, rest
     if not mesh.attach(node, bindings):
         log.warning("no gateway configured (net.gateways): this scheduler cannot lease workers")
     node.add_part(market)
+    node.add_part(_JobsPart(store, orchestrator, temp_dir, rest, bridge))
     return node

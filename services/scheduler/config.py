@@ -41,6 +41,63 @@ class PoolSection(BaseModel):
     max_price: float | None = Field(None, ge=0, description="Private maximum (default: scheduler.max_price).")
 
 
+class JobsSection(BaseModel):
+    """Deadlines and bounds of job orchestration (DiLoCo and task jobs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    allocate_wait_s: float = Field(
+        120.0,
+        gt=0,
+        description="How long a DiLoCo job keeps trying to lease its parameter server and trainers "
+        "before it fails (a task job stays queued instead, and tries again).",
+    )
+    queue_retry_s: float = Field(
+        2.0, gt=0, description="Pause before a queued job that found no worker tries the market again."
+    )
+    max_parallel_allocations: int = Field(
+        4, ge=1, description="Jobs leasing workers at once; the rest wait their turn in submission order."
+    )
+    provider_wait_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long a DiLoCo job waits for a data node to announce its dataset in the DHT.",
+    )
+    dispatch_timeout_s: float = Field(15.0, gt=0, description="Deadline of one DispatchJob call.")
+    cancel_timeout_s: float = Field(5.0, gt=0, description="Deadline of one CancelJob call.")
+    status_poll_s: float = Field(
+        5.0,
+        gt=0,
+        description="How often running executions are checked with GetJobStatus, in case a status "
+        "report from a worker was lost.",
+    )
+    task_timeout_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="Past a task's timeout_s, how long the scheduler waits for the worker to report the "
+        "timeout before it cancels the attempt itself.",
+    )
+    max_replacements: int = Field(
+        8, ge=0, description="Lost or failed trainers one DiLoCo job may replace before it fails."
+    )
+    result_timeout_s: float = Field(
+        300.0, gt=0, description="Deadline for pulling a finished job's result from its parameter server."
+    )
+    progress_store_interval_s: float = Field(
+        1.0,
+        ge=0,
+        description="Least time between two progress writes of one job to the store (reports arrive after "
+        "every batch; watchers see the latest).",
+    )
+    sync_lookahead: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="Performance-aware rounds: once the rest of a round's sample budget takes at most this "
+        "fraction of the round's expected length, each trainer is told how many batches it has left.",
+    )
+
+
 class SchedulerSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -84,6 +141,29 @@ class SchedulerSection(BaseModel):
         1.0, gt=0, description="Pause between attempts to replace a lost worker while none is found."
     )
     pool: PoolSection = Field(default_factory=PoolSection, description="A standing pool of leased workers.")
+    # ---- finding data ------------------------------------------------------------
+    dht_bootstrap: list[str] = Field(
+        default_factory=list,
+        description="DHT nodes (HOST:PORT, usually the gateways' DHT ports) to join, to find the data "
+        "nodes serving a job's dataset. Empty: DiLoCo jobs cannot find data and fail.",
+    )
+    dht_host: str = Field("127.0.0.1", description="Address this scheduler's DHT endpoint binds.")
+    dht_port: int = Field(0, ge=0, le=65535, description="UDP port of the DHT endpoint (0: any free port).")
+    dht_rpc_timeout_s: float = Field(2.0, gt=0, description="Timeout of one DHT RPC to one peer.")
+    dht_lookup_timeout_s: float = Field(5.0, gt=0, description="Longest one provider lookup may take.")
+    # ---- client access and monitoring ------------------------------------------------
+    rest_listen: str = Field(
+        "127.0.0.1:0",
+        description="HOST:PORT of the REST mirror of the client API (HTTPS with the same mTLS; "
+        "also serves Prometheus /metrics); port 0: any free port; empty: no REST server.",
+    )
+    status_bridge: str = Field(
+        "",
+        description="HOST:PORT (or URL) of an AIM status bridge: every training metric is POSTed to "
+        "/status as JSON; empty: none.",
+    )
+    # ---- running jobs ----------------------------------------------------------------
+    jobs: JobsSection = Field(default_factory=JobsSection, description="How jobs are run.")
 
     @model_validator(mode="after")
     def _check(self) -> SchedulerSection:

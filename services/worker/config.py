@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hypha.config.common import NodeSettings
 from hypha.market.resources import ExecutorKind
+from hypha.worker.jobs_config import JobsSection
 from hypha.worker.resources import ResourceLimits
 
 ExecutorName = Literal["diloco-trainer", "parameter-server", "task"]
@@ -103,6 +104,7 @@ class WorkerSection(BaseModel):
         description="How long a direct connection to a scheduler may take before the relay is used.",
     )
     max_concurrent_offers: int = Field(64, ge=1, description="Offers in flight at once.")
+    jobs: JobsSection = Field(default_factory=JobsSection, description="How executor processes are run.")
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSection:

@@ -32,7 +32,8 @@ RULES: dict[str, frozenset[Role]] = {
     "/hypha.v1.Worker/CancelJob": frozenset({Role.SCHEDULER}),
     "/hypha.v1.Worker/GetJobStatus": frozenset({Role.SCHEDULER, Role.ADMIN}),
     "/hypha.v1.Worker/PushTensors": frozenset({Role.WORKER}),
-    "/hypha.v1.Worker/PullTensors": frozenset({Role.WORKER}),
+    # Schedulers pull a finished job's result files (kind "result"); the worker checks the rest.
+    "/hypha.v1.Worker/PullTensors": frozenset({Role.WORKER, Role.SCHEDULER}),
     "/hypha.v1.Worker/GetStatus": frozenset({Role.SCHEDULER, Role.ADMIN, Role.CLIENT}),
     # Scheduler: the client API is for clients; job control is for workers.
     "/hypha.v1.Scheduler/": _OPERATORS,

@@ -1,0 +1,192 @@
+"""Trainer throughput under the job bridge beside a bare torch loop on the same model and data,
+in the same run.
+
+    python benchmarks/trainer_overhead.py [--quick]
+
+Model: a GPT-2 of ~0.85M parameters (4 blocks, 128 wide) on the synthetic arithmetic corpus,
+batches of 16 x 64 tokens, AdamW, one torch thread everywhere (what the worker gives each
+trainer on a small machine).
+
+Ours, two ways, each a full DiLoCo job of R rounds x H batches with a parameter server:
+- ``real``: ``python -m hypha.worker.executors.diloco_trainer`` as its own process, talking
+  HTTP over the Unix socket to the worker's real ``JobBridge`` (aiohttp) in this process; the
+  scheduler and the parameter server's worker are played in-process (``tests.executors``). Slices
+  go through the bridge into the work dir, progress is reported after every batch, Δ goes out
+  and θ_global comes back through the bridge each round, and the trainer checkpoints each round.
+- ``fake``: the same trainer loop in this process over the in-process fake bridge.
+Throughput is measured between the first and the last progress report (so process start and
+model loading are excluded, the syncs between rounds are included).
+
+Baseline: a plain loop (zero_grad, forward, backward, step) over the same batches of the same
+slice files, timed from the end of its first batch to the end of its last.
+
+figure = ``real`` samples/s (median over repeats); ratio = figure / baseline (target >= 0.95,
+i.e. <= 5 % overhead). ``steady_ratio`` compares the median batch interval alone (no syncs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import ROOT, median, report
+
+BATCH = 16
+SAMPLES_PER_SLICE = 64  # the data node's default
+
+
+def _throughput(times: list[float], batch: int) -> tuple[float, float]:
+    """(samples/s between the first and last report, median seconds between reports)."""
+    intervals = [b - a for a, b in itertools.pairwise(times)]
+    return (len(times) - 1) * batch / (times[-1] - times[0]), statistics.median(intervals)
+
+
+async def _run_fake(network: Any) -> tuple[float, float]:
+    from hypha.worker.executors.diloco_trainer import DilocoTrainer
+    from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
+
+    ps = ParameterServer(network.bridge("ps"), options=ServerOptions(poll_s=0.05, linger_s=0.0))
+    trainer = DilocoTrainer(network.bridge("t0"))
+    codes = await asyncio.gather(ps.run(), trainer.run())
+    assert list(codes) == [0, 0], codes
+    return _throughput([t for peer, t, _ in network.progress_times if peer == "t0"], BATCH)
+
+
+async def _run_real(network: Any) -> tuple[float, float]:
+    from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
+    from tests.executors import executor_env, start_real_bridge
+
+    bridge, record, work_dir = await start_real_bridge(network, "t0")
+    ps = ParameterServer(network.bridge("ps"), options=ServerOptions(poll_s=0.05, linger_s=0.0))
+    server = asyncio.ensure_future(ps.run())
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "hypha.worker.executors.diloco_trainer",
+            cwd=work_dir,
+            env={**executor_env(bridge.socket_path, work_dir), "PYTHONPATH": str(ROOT)},
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, stderr = await asyncio.wait_for(proc.communicate(), 600)
+        assert proc.returncode == 0, stderr.decode(errors="replace")[-2000:]
+        assert await asyncio.wait_for(server, 60) == 0
+    finally:
+        await bridge.stop()
+    assert record.reported_state == "succeeded"
+    return _throughput([t for peer, t, _ in network.progress_times if peer == "t0"], BATCH)
+
+
+def _run_bare(model_dir: Path, slices: list[Path], batches: int, lr: float) -> tuple[float, float]:
+    from hypha.v1 import common_pb2
+    from hypha.worker.executors import models, training
+
+    model = models.build_model(common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_CAUSAL_LM), model_dir)
+    optimizer = training.make_inner_optimizer(
+        model, training.InnerSettings(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8)
+    )
+    stream = training.BatchStream(BATCH, training.MODEL_INPUTS[models.ModelKind.CAUSAL_LM])
+    data: list[dict[str, Any]] = []
+    cursor = 0
+    while len(data) < batches:
+        if (batch := stream.next_batch()) is None:
+            stream.add_slice(cursor, training.load_slice(slices[cursor % len(slices)]))
+            cursor += 1
+            continue
+        data.append(batch)
+    times = []
+    for batch in data:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter())
+    return _throughput(times, BATCH)
+
+
+def main(quick: bool) -> None:
+    import torch
+
+    from hypha.data import synthetic
+    from hypha.worker.executors import models
+    from tests.executors import FakeNetwork, diloco_spec, sync_every, write_slices
+
+    torch.set_num_threads(1)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    rounds, per_round = (2, 15) if quick else (3, 80)
+    repeats = 3
+    lr = 1e-3
+    base = Path(tempfile.mkdtemp(prefix="hypha-bench-trainer-"))
+    model_dir = models.save_tiny_model(
+        models.ModelKind.CAUSAL_LM, base / "model", n_embd=128, n_layer=4, n_head=4
+    )
+    params = sum(
+        p.numel() for p in models.build_model(diloco_spec(rounds=1).diloco.model, model_dir).parameters()
+    )
+    slices = write_slices(
+        synthetic.arithmetic(SAMPLES_PER_SLICE * 8, seed=1), base / "data", "arith", SAMPLES_PER_SLICE
+    )
+
+    def network(name: str) -> Any:
+        return FakeNetwork(
+            spec=diloco_spec(rounds=rounds, inner_lr=lr),
+            root=base / name,
+            model_dir=model_dir,
+            trainer_ids=("t0",),
+            batch_size=BATCH,
+            slices={"t0": slices},
+            policy=sync_every({"t0": per_round}),
+        )
+
+    real: list[tuple[float, float]] = []
+    fake: list[tuple[float, float]] = []
+    bare: list[tuple[float, float]] = []
+    for i in range(repeats):
+        bare.append(_run_bare(model_dir, slices, rounds * per_round, lr))
+        fake.append(asyncio.run(_run_fake(network(f"fake-{i}"))))
+        real.append(asyncio.run(_run_real(network(f"real-{i}"))))
+
+    real_sps, bare_sps = median([r[0] for r in real]), median([b[0] for b in bare])
+    fake_sps = median([f[0] for f in fake])
+    real_step, bare_step = median([r[1] for r in real]), median([b[1] for b in bare])
+    report(
+        "trainer_overhead",
+        real_sps,
+        "samples/s",
+        bare_sps,
+        real_sps / bare_sps,
+        overhead_pct=round((1 - real_sps / bare_sps) * 100, 2),
+        real_samples_per_s=[round(r[0], 1) for r in real],
+        fake_samples_per_s=[round(f[0], 1) for f in fake],
+        bare_samples_per_s=[round(b[0], 1) for b in bare],
+        fake_ratio=round(fake_sps / bare_sps, 4),
+        steady_ratio=round(bare_step / real_step, 4),
+        batch_ms_real=round(real_step * 1e3, 2),
+        batch_ms_bare=round(bare_step * 1e3, 2),
+        rounds=rounds,
+        batches_per_round=per_round,
+        batch_size=BATCH,
+        parameters=params,
+        threads=1,
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main(parser.parse_args().quick)

@@ -1,0 +1,439 @@
+"""Tensor payloads between workers: pushes into per-job inboxes, pulls of published files.
+
+A trainer's delta reaches the parameter server as a ``Worker.PushTensors``
+stream; the update (and the current global state, for a late or replacement
+trainer) goes back by ``Worker.PullTensors``, which the PS worker holds open
+until the round is published. Either way the payload travels as ≤ 1 MiB
+``Chunk`` messages with a sha256 over the whole, and the receiving side uses
+nothing before the last chunk verified: a broken stream leaves no trace in an
+inbox and is simply sent again.
+
+``TensorExchange`` is the one object per worker that owns the inboxes
+(bounded queues per job and kind), the publications, and the sending side
+(direct channel or relay through ``PeerConnector``, with jittered retries).
+The gRPC servicer and the job bridge both drive it; it knows no HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import re
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+
+from hypha.errors import (
+    RETRYABLE_CODES,
+    DataLossError,
+    HyphaError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from hypha.net.backoff import Backoff
+from hypha.tensors.chunks import DEFAULT_CHUNK_SIZE, ChunkAssembler
+from hypha.tensors.payload import CONTENT_TYPE, read_metadata
+from hypha.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_KIND = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+
+
+class ChannelSource(Protocol):
+    """What ``PeerConnector`` offers: a channel to a peer (direct or relayed), and forgetting it."""
+
+    async def channel(self, peer_id: str, addresses: list[str]) -> Any: ...
+
+    async def invalidate(self, peer_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """Bounds of the exchange; every wait and every buffer has one."""
+
+    #: Complete payloads waiting per (job, kind) before pushes wait, then get RESOURCE_EXHAUSTED.
+    inbox_max: int = 16
+    #: How long a completed push waits for room in a full inbox.
+    inbox_put_timeout_s: float = 30.0
+    #: Largest payload accepted (declared size, checked before the first byte is kept).
+    max_payload_bytes: int = 8 << 30
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    #: Attempts of one send when the stream breaks or the peer is unreachable.
+    send_attempts: int = 4
+    backoff_base_s: float = 0.2
+    backoff_cap_s: float = 5.0
+    #: Deadline of one PushTensors call (a whole payload).
+    push_timeout_s: float = 600.0
+    #: Rounds kept published per (job, kind); older ones are forgotten.
+    keep_published: int = 4
+    #: Longest a PullTensors call waits for its round when the caller set no deadline.
+    max_pull_wait_s: float = 3600.0
+
+
+@dataclass(frozen=True)
+class TensorPayload:
+    """A complete, verified payload and who sent it (from the TLS session, not the message)."""
+
+    job_id: str
+    kind: str
+    round: int
+    samples: int
+    from_peer: str
+    data: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class _Published:
+    path: Path
+    samples: int
+
+
+class _Job:
+    def __init__(self, inbox_max: int) -> None:
+        self.inbox_max = inbox_max
+        self.inboxes: dict[str, asyncio.Queue[TensorPayload]] = {}
+        self.published: dict[str, dict[int, _Published]] = {}
+        self.changed = asyncio.Condition()
+        self.users = 0
+
+    def inbox(self, kind: str) -> asyncio.Queue[TensorPayload]:
+        queue = self.inboxes.get(kind)
+        if queue is None:
+            queue = self.inboxes[kind] = asyncio.Queue(maxsize=self.inbox_max)
+        return queue
+
+
+def check_kind(kind: str) -> str:
+    if not _KIND.match(kind):
+        raise InvalidArgumentError(f"tensor kind {kind!r} must match {_KIND.pattern}")
+    return kind
+
+
+async def file_chunks(
+    path: Path,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    content_type: str = CONTENT_TYPE,
+    metadata: dict[str, str] | None = None,
+) -> AsyncIterator[common_pb2.Chunk]:
+    """The chunks of a file, read block by block (never mmapped: a writer truncating it must not
+    crash the worker), hashed as they go; the last carries the sha256."""
+    try:
+        handle = await asyncio.to_thread(open, path, "rb")
+    except FileNotFoundError:
+        raise NotFoundError(f"tensor file {path.name} is gone") from None
+    try:
+        total = os.fstat(handle.fileno()).st_size
+        digest = hashlib.sha256()
+        offset = 0
+        while True:
+            data = await asyncio.to_thread(handle.read, chunk_size) if offset < total else b""
+            digest.update(data)
+            chunk = common_pb2.Chunk(offset=offset, data=data)
+            if offset == 0:
+                chunk.total_size = total
+                chunk.content_type = content_type
+                if metadata:
+                    chunk.metadata.update(metadata)
+            offset += len(data)
+            if offset >= total or not data:
+                chunk.last = True
+                chunk.sha256 = digest.hexdigest()
+                yield chunk
+                return
+            yield chunk
+    finally:
+        handle.close()
+
+
+class TensorExchange:
+    """Inboxes, publications and sending for every job on this worker."""
+
+    def __init__(self, connector: ChannelSource | None, settings: TransferSettings | None = None) -> None:
+        self.connector = connector
+        self.settings = settings or TransferSettings()
+        self._jobs: dict[str, _Job] = {}
+        #: Counters for operators and tests.
+        self.stats: dict[str, int] = {"received": 0, "refused": 0, "sent": 0, "send_retries": 0, "served": 0}
+        #: PullTensors calls waiting for their round right now.
+        self.pulls_waiting = 0
+
+    # ---- jobs -------------------------------------------------------------------------
+
+    def open_job(self, job_id: str) -> None:
+        """Accept pushes and pulls for ``job_id`` (counted: co-located executions share it)."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            job = self._jobs[job_id] = _Job(self.settings.inbox_max)
+        job.users += 1
+
+    async def close_job(self, job_id: str) -> None:
+        """Forget the job once its last execution ended; waiting pulls end with NOT_FOUND."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return
+        job.users -= 1
+        if job.users > 0:
+            return
+        del self._jobs[job_id]
+        async with job.changed:
+            job.changed.notify_all()
+
+    def has_job(self, job_id: str) -> bool:
+        return job_id in self._jobs
+
+    def _job(self, job_id: str) -> _Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFoundError(f"no job {job_id!r} runs on this worker")
+        return job
+
+    # ---- receiving: PushTensors -----------------------------------------------------------
+
+    async def receive(
+        self, messages: AsyncIterator[worker_pb2.TensorChunk], from_peer: str
+    ) -> worker_pb2.PushTensorsResponse:
+        """Assemble one pushed payload and queue it; raises (nothing queued) if the stream breaks."""
+        assembler = ChunkAssembler(
+            max_bytes=self.settings.max_payload_bytes, expected_content_type=CONTENT_TYPE
+        )
+        first: worker_pb2.TensorChunk | None = None
+        try:
+            async for message in messages:
+                if first is None:
+                    first = message
+                    check_kind(message.kind)
+                    self._job(message.job_id)  # refuse before receiving gigabytes for nobody
+                assembler.feed(message.chunk)
+            if first is None:
+                raise InvalidArgumentError("empty tensor stream")
+            data = assembler.finish()
+            read_metadata(data)  # a safetensors header, or nothing gets queued
+        except HyphaError as err:
+            self.stats["refused"] += 1
+            log.info("tensor push from %s refused: %s", from_peer, err.message)
+            raise
+        payload = TensorPayload(
+            first.job_id, first.kind, first.round, first.samples, from_peer=from_peer, data=data
+        )
+        queue = self._job(first.job_id).inbox(first.kind)
+        try:
+            async with asyncio.timeout(self.settings.inbox_put_timeout_s):
+                await queue.put(payload)
+        except TimeoutError:
+            raise ResourceExhaustedError(
+                f"inbox of job {first.job_id} ({first.kind}) is full; try again later"
+            ) from None
+        self.stats["received"] += 1
+        log.debug("queued %s round %d from %s (%d bytes)", first.kind, first.round, from_peer, len(data))
+        return worker_pb2.PushTensorsResponse(accepted=True, message="queued")
+
+    async def next_received(self, job_id: str, kind: str, timeout_s: float) -> TensorPayload | None:
+        """The next queued payload of (job, kind), or None after ``timeout_s``."""
+        queue = self._job(job_id).inbox(check_kind(kind))
+        try:
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                return await queue.get()
+        except TimeoutError:
+            return None
+
+    # ---- publishing: PullTensors --------------------------------------------------------------
+
+    async def publish(self, job_id: str, kind: str, round: int, path: Path, samples: int = 0) -> None:
+        """Serve ``path`` to pullers of (job, kind, round) and wake those already waiting."""
+        job = self._job(job_id)
+        check_kind(kind)
+        if not await asyncio.to_thread(path.is_file):
+            raise NotFoundError(f"no file {path.name} to publish")
+        rounds = job.published.setdefault(kind, {})
+        rounds[round] = _Published(path, samples)
+        for old in sorted(rounds)[: -self.settings.keep_published]:
+            del rounds[old]
+        async with job.changed:
+            job.changed.notify_all()
+
+    def _find(self, job: _Job, kind: str, round: int) -> tuple[int, _Published] | None:
+        rounds = job.published.get(kind, {})
+        if kind == "global":
+            # The current global state: a joining trainer takes the newest, never an older one.
+            newer = [r for r in rounds if r >= round]
+            return (max(newer), rounds[max(newer)]) if newer else None
+        found = rounds.get(round)
+        return (round, found) if found is not None else None
+
+    async def serve_pull(
+        self, request: worker_pb2.PullTensorsRequest, time_remaining: float | None
+    ) -> AsyncIterator[worker_pb2.TensorChunk]:
+        """The PullTensors stream: waits for the round to be published (bounded), then streams it."""
+        kind = check_kind(request.kind)
+        job = self._job(request.job_id)
+        wait_s = self.settings.max_pull_wait_s if time_remaining is None else time_remaining
+        self.pulls_waiting += 1
+        try:
+            async with asyncio.timeout(wait_s):
+                async with job.changed:
+                    await job.changed.wait_for(
+                        lambda: (
+                            self._find(job, kind, request.round) is not None
+                            or request.job_id not in self._jobs
+                        )
+                    )
+        except TimeoutError:
+            raise UnavailableError(
+                f"{kind} of round {request.round} not published within {wait_s:.1f} s"
+            ) from None
+        finally:
+            self.pulls_waiting -= 1
+        found = self._find(job, kind, request.round)
+        if found is None:
+            raise NotFoundError(f"job {request.job_id} ended on this worker")
+        round, published = found
+        first = True
+        async for chunk in file_chunks(published.path, chunk_size=self.settings.chunk_size):
+            message = worker_pb2.TensorChunk(chunk=chunk)
+            if first:
+                message.job_id, message.kind, message.round = request.job_id, kind, round
+                message.samples = published.samples
+                first = False
+            yield message
+        self.stats["served"] += 1
+
+    # ---- sending: PushTensors to a peer, PullTensors from a peer ---------------------------------
+
+    def _outgoing(
+        self, attempt: int, messages: AsyncIterator[worker_pb2.TensorChunk]
+    ) -> AsyncIterator[worker_pb2.TensorChunk]:
+        """Fault seam: tests override it to break attempt ``attempt``'s stream."""
+        return messages
+
+    async def _push_stream(
+        self, job_id: str, kind: str, round: int, samples: int, path: Path
+    ) -> AsyncIterator[worker_pb2.TensorChunk]:
+        first = True
+        async for chunk in file_chunks(path, chunk_size=self.settings.chunk_size):
+            message = worker_pb2.TensorChunk(chunk=chunk)
+            if first:
+                message.job_id, message.kind, message.round, message.samples = job_id, kind, round, samples
+                first = False
+            yield message
+
+    def _require_connector(self) -> ChannelSource:
+        if self.connector is None:
+            raise UnavailableError("this worker has no way to reach peers")
+        return self.connector
+
+    async def send(
+        self,
+        job_id: str,
+        peer_id: str,
+        addresses: Sequence[str],
+        kind: str,
+        round: int,
+        samples: int,
+        path: Path,
+    ) -> tuple[bool, str]:
+        """Push a file to ``peer_id``'s job; retries broken streams; (accepted, message)."""
+        check_kind(kind)
+        if not await asyncio.to_thread(path.is_file):
+            raise NotFoundError(f"no file {path.name} to send")
+        connector = self._require_connector()
+        backoff = Backoff(self.settings.backoff_base_s, self.settings.backoff_cap_s)
+        reasons: list[str] = []
+        for attempt in range(self.settings.send_attempts):
+            if attempt:
+                self.stats["send_retries"] += 1
+                await asyncio.sleep(backoff.next_delay())
+            try:
+                channel = await connector.channel(peer_id, list(addresses))
+                stub = worker_pb2_grpc.WorkerStub(channel)
+                stream = self._outgoing(attempt, self._push_stream(job_id, kind, round, samples, path))
+                response = await stub.PushTensors(stream, timeout=self.settings.push_timeout_s)
+            except UnavailableError as err:
+                reasons.append(err.message)
+                continue
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                reasons.append(f"{code.name}: {err.details()}")
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    await connector.invalidate(peer_id)
+                if code in RETRYABLE_CODES or code is grpc.StatusCode.DATA_LOSS:
+                    log.info("sending %s to %s: attempt %d failed: %s", kind, peer_id, attempt + 1, code.name)
+                    continue
+                return False, reasons[-1]
+            self.stats["sent"] += 1
+            return response.accepted, response.message
+        raise UnavailableError(
+            f"sending {kind} to {peer_id} failed after {self.settings.send_attempts} attempts: "
+            + "; ".join(reasons)
+        )
+
+    async def fetch(
+        self,
+        job_id: str,
+        peer_id: str,
+        addresses: Sequence[str],
+        kind: str,
+        round: int,
+        timeout_s: float,
+    ) -> TensorPayload | None:
+        """Pull (job, kind, round) from ``peer_id``; None when it is not published within ``timeout_s``.
+
+        A peer whose job is not there yet (NOT_FOUND) or that cannot be
+        reached is asked again until the time is up; a broken stream too.
+        """
+        check_kind(kind)
+        connector = self._require_connector()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, timeout_s)
+        backoff = Backoff(self.settings.backoff_base_s, self.settings.backoff_cap_s)
+        while (remaining := deadline - loop.time()) > 0:
+            try:
+                channel = await connector.channel(peer_id, list(addresses))
+                return await self._pull_once(channel, job_id, peer_id, kind, round, remaining)
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return None
+                if code is grpc.StatusCode.UNAVAILABLE:
+                    await connector.invalidate(peer_id)
+                if code not in (*RETRYABLE_CODES, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS):
+                    raise UnavailableError(
+                        f"pulling {kind} from {peer_id}: {code.name}: {err.details()}"
+                    ) from None
+                log.debug("pulling %s from %s: %s; asking again", kind, peer_id, code.name)
+            except (UnavailableError, DataLossError, InvalidArgumentError) as err:
+                log.info("pulling %s from %s: %s; asking again", kind, peer_id, err.message)
+            await asyncio.sleep(min(backoff.next_delay(), max(0.0, deadline - loop.time())))
+        return None
+
+    async def _pull_once(
+        self, channel: Any, job_id: str, peer_id: str, kind: str, round: int, timeout_s: float
+    ) -> TensorPayload:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        call = stub.PullTensors(
+            worker_pb2.PullTensorsRequest(job_id=job_id, kind=kind, round=round), timeout=timeout_s
+        )
+        assembler = ChunkAssembler(
+            max_bytes=self.settings.max_payload_bytes, expected_content_type=CONTENT_TYPE
+        )
+        first: worker_pb2.TensorChunk | None = None
+        try:
+            async for message in call:
+                if first is None:
+                    first = message
+                assembler.feed(message.chunk)
+        finally:
+            if not call.done():
+                call.cancel()
+        data = assembler.finish()
+        read_metadata(data)
+        assert first is not None
+        return TensorPayload(job_id, first.kind or kind, first.round, first.samples, peer_id, data)

@@ -1,0 +1,209 @@
+"""The ``hypha`` CLI as users run it (a subprocess) against a real scheduler API over mTLS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from hypha.client import cli
+from hypha.scheduler.jobfile import parse_job_toml
+from hypha.scheduler.lifecycle import JobState
+from hypha.scheduler.store import LogEntry, WorkerMetric
+from tests.conftest import Pki
+from tests.scheduler.test_api import DILOCO_TOML, TASK_TOML, Served, serve_api
+
+
+@pytest.fixture
+async def served(pki: Pki, tmp_path: Path) -> AsyncIterator[Served]:
+    async with serve_api(pki, tmp_path) as s:
+        yield s
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYPHA_")}
+    env["HYPHA_STATE_DIR"] = str(tmp_path / "no-cluster")  # never pick up a real local cluster
+    return env
+
+
+async def start(
+    served: Served | None, pki: Pki, tmp_path: Path, *args: str, name: str = "client"
+) -> asyncio.subprocess.Process:
+    flags = ["--scheduler", served.address, "--certs", str(pki.dir), "--name", name] if served else []
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "hypha.client.cli",
+        *flags,
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=_env(tmp_path),
+    )
+
+
+async def hypha(
+    served: Served | None, pki: Pki, tmp_path: Path, *args: str, name: str = "client"
+) -> tuple[int, str, str]:
+    proc = await start(served, pki, tmp_path, *args, name=name)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_version_and_usage_errors_exit_2_with_one_line(pki: Pki, tmp_path: Path) -> None:
+    code, out, _ = await hypha(None, pki, tmp_path, "version")
+    assert code == 0 and out.startswith("hypha-ml ")
+    code, _, err = await hypha(None, pki, tmp_path, "status")
+    assert (
+        code == 2
+        and err == "hypha: error: no scheduler: give --scheduler HOST:PORT (or set HYPHA_SCHEDULER)\n"
+    )
+    code, _, err = await hypha(
+        None, pki, tmp_path, "--scheduler", "127.0.0.1:1", "--certs", str(tmp_path), "status"
+    )
+    assert code == 2 and err.startswith("hypha: error: client certificate: tls.cert: file not found")
+    code, _, err = await hypha(None, pki, tmp_path, "frobnicate")
+    assert code == 2 and "invalid choice" in err
+
+
+async def test_submit_status_and_cancel_with_exit_codes_and_json(
+    served: Served, pki: Pki, tmp_path: Path
+) -> None:
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(TASK_TOML)
+    code, out, _ = await hypha(served, pki, tmp_path, "submit", str(job_file), "--output", "json")
+    assert code == 0
+    job = json.loads(out)
+    assert job["state"] == "pending" and job["kind"] == "task" and job["name"] == "hello"
+    job_id = job["job_id"]
+
+    code, out, _ = await hypha(served, pki, tmp_path, "--output", "json", "status", job_id)
+    assert code == 0 and json.loads(out)["state"] == "pending"
+    code, out, _ = await hypha(served, pki, tmp_path, "status")
+    assert code == 0 and out.splitlines()[0].split() == ["JOB", "KIND", "STATE", "PROGRESS", "AGE", "NAME"]
+    assert job_id in out and "pending" in out
+    code, out, _ = await hypha(served, pki, tmp_path, "status", "--state", "running")
+    assert code == 0 and out.strip() == "no jobs"
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text(DILOCO_TOML.replace("rounds = 4", 'rounds = "four"'))
+    code, _, err = await hypha(served, pki, tmp_path, "submit", str(bad))
+    assert code == 2 and err == f"hypha: error: {bad}: job.rounds: must be an integer\n"
+    code, _, err = await hypha(served, pki, tmp_path, "status", "nope")
+    assert code == 1 and err == "hypha: error: NOT_FOUND: no such job: nope\n"
+
+    code, out, _ = await hypha(served, pki, tmp_path, "cancel", job_id)
+    assert code == 0 and out == f"cancelled {job_id}\n"
+    code, _, err = await hypha(served, pki, tmp_path, "cancel", job_id)
+    assert code == 1 and err.startswith("hypha: error: FAILED_PRECONDITION: job ")
+    code, out, _ = await hypha(served, pki, tmp_path, "watch", job_id)
+    assert code == 1 and "cancelled" in out  # watch exits with the job's outcome
+    code, _, err = await hypha(served, pki, tmp_path, "cancel")
+    assert code == 2 and "give a job id or --all" in err
+    code, _, err = await hypha(served, pki, tmp_path, "status", name="worker")
+    assert code == 1 and err.startswith("hypha: error: PERMISSION_DENIED: role worker may not call")
+
+
+async def test_watch_shows_rounds_loss_and_throughput_and_exits_0_on_success(
+    served: Served, pki: Pki, tmp_path: Path
+) -> None:
+    job = await served.api.submit_spec(pki.tls("client").identity, parse_job_toml(DILOCO_TOML))
+    proc = await start(served, pki, tmp_path, "watch", job.job_id, "--output", "json")
+    assert proc.stdout is not None
+    first = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+    assert first["job"]["state"] == "pending"
+
+    store = served.store
+    await store.transition(job.job_id, JobState.ALLOCATING)
+    await store.transition(job.job_id, JobState.RUNNING, workers=["w1", "w2"])
+    metrics = [WorkerMetric("w1", 30.0, 300, 2.5, 8), WorkerMetric("w2", 10.0, 100, 2.7, 8)]
+    await store.update(job.job_id, round=2, loss=2.6, worker_metrics=metrics, message="round 1 complete")
+    await store.transition(job.job_id, JobState.SUCCEEDED, reason="done")
+    raw, _ = await asyncio.wait_for(proc.communicate(), 30)
+
+    events = [json.loads(line) for line in raw.decode().splitlines()]
+    assert proc.returncode == 0
+    assert [e["job"]["state"] for e in events] == ["allocating", "running", "running", "succeeded"]
+    progress = events[2]
+    assert (progress["job"]["round"], progress["job"]["rounds"], progress["job"]["loss"]) == (2, 4, 2.6)
+    assert [(w["worker_id"], w["samples_per_second"]) for w in progress["workers"]] == [
+        ("w1", 30.0),
+        ("w2", 10.0),
+    ]
+
+    # Plain text (not a terminal): one line per event.
+    code, text, _ = await hypha(served, pki, tmp_path, "watch", job.job_id)
+    assert code == 0 and text.count("\n") == 1 and "succeeded round 2/4 loss 2.6000" in text
+
+
+async def test_logs_fetch_and_workers(served: Served, pki: Pki, tmp_path: Path) -> None:
+    job = await served.api.submit_spec(pki.tls("client").identity, parse_job_toml(DILOCO_TOML))
+    await served.store.append_logs(job.job_id, [LogEntry("hello"), LogEntry("oops", stream="stderr")])
+    for state in (JobState.ALLOCATING, JobState.RUNNING, JobState.SUCCEEDED):
+        await served.store.transition(job.job_id, state)
+    result = served.orchestrator.result_dir
+    result.mkdir()
+    (result / "config.json").write_text('{"model_type": "gpt2"}')
+    (result / "model.safetensors").write_bytes(os.urandom(1_500_000))
+
+    code, out, err = await hypha(served, pki, tmp_path, "logs", job.job_id)
+    assert code == 0 and out == "hello\n" and err == "oops\n"
+    code, out, _ = await hypha(served, pki, tmp_path, "logs", job.job_id, "--follow", "--output", "json")
+    assert code == 0 and [json.loads(line)["line"] for line in out.splitlines()] == ["hello", "oops"]
+
+    target = tmp_path / "out"
+    code, out, _ = await hypha(
+        served, pki, tmp_path, "fetch", job.job_id, "--out", str(target), "--output", "json"
+    )
+    assert code == 0
+    files = {f["path"]: f["bytes"] for f in json.loads(out)["files"]}
+    assert files == {"config.json": 22, "model.safetensors": 1_500_000}
+    for name in files:
+        assert (target / name).read_bytes() == (result / name).read_bytes()
+    assert not list(target.glob("*.part"))
+
+    code, out, _ = await hypha(served, pki, tmp_path, "workers", "--output", "json")
+    assert code == 0 and json.loads(out)[0]["peer"]["peer_id"] == "worker-1"
+    code, out, _ = await hypha(served, pki, tmp_path, "workers")
+    assert code == 0 and "worker-1" in out and "12.5" in out
+
+
+async def test_an_unreachable_scheduler_is_one_clear_line(pki: Pki, tmp_path: Path) -> None:
+    args = ["--scheduler", "127.0.0.1:1", "--certs", str(pki.dir), "--name", "client", "--timeout", "5"]
+    code, _, err = await hypha(None, pki, tmp_path, *args, "status")
+    assert code == 1 and err.startswith("hypha: error: cannot reach the scheduler") and err.count("\n") == 1
+
+
+def test_other_modules_can_register_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+    def add(parser: object) -> None:
+        parser.add_argument("--who", default="world")  # type: ignore[attr-defined]
+
+    def handler(args: object) -> int:
+        print(f"hello {args.who}")  # type: ignore[attr-defined]
+        return 3
+
+    cli.register("hello", cli.Command("say hello", add, handler))
+    try:
+        assert cli.main(["hello", "--who", "hypha"]) == 3
+    finally:
+        del cli.COMMANDS["hello"]
+    assert capsys.readouterr().out == "hello hypha\n"
+    assert {"up", "down", "demo"} <= set(cli.COMMANDS)
+
+
+async def test_a_local_cluster_from_hypha_up_is_found_without_flags(
+    served: Served, pki: Pki, tmp_path: Path
+) -> None:
+    state = tmp_path / "no-cluster"  # the state dir _env points the CLI at
+    state.mkdir()
+    nodes = {"scheduler": {"address": served.address, "role": "scheduler"}}
+    (state / "cluster.json").write_text(json.dumps({"pki": str(pki.dir), "nodes": nodes}))
+    code, out, err = await hypha(None, pki, tmp_path, "status")
+    assert code == 0, err
+    assert out.strip() == "no jobs"

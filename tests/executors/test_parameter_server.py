@@ -1,0 +1,259 @@
+"""The parameter-server executor, fed deltas directly through a fake bridge."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hypha.tensors.payload import decode_state, encode_state, read_metadata
+from hypha.v1 import common_pb2
+from hypha.worker.executors import models, training
+from hypha.worker.executors.models import ModelKind
+from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
+from tests.executors import FakeNetwork, FakeReceived, diloco_spec
+
+TRAINERS = ("t0", "t1", "t2")
+OUTER_LR, MOMENTUM = 0.5, 0.8
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def vit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return models.save_tiny_model(ModelKind.VISION_CLASSIFICATION, tmp_path_factory.mktemp("m") / "vit")
+
+
+@pytest.fixture(scope="module")
+def theta0(vit_dir: Path) -> dict[str, torch.Tensor]:
+    spec = common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_VISION_CLASSIFICATION)
+    return training.parameter_state(models.build_model(spec, vit_dir))
+
+
+def _network(root: Path, vit_dir: Path, rounds: int = 3, **spec: object) -> FakeNetwork:
+    return FakeNetwork(
+        spec=diloco_spec(
+            rounds=rounds,
+            model_type=common_pb2.MODEL_TYPE_VISION_CLASSIFICATION,
+            outer_lr=OUTER_LR,
+            momentum=MOMENTUM,
+            **spec,  # type: ignore[arg-type]
+        ),
+        root=root,
+        model_dir=vit_dir,
+        trainer_ids=TRAINERS,
+    )
+
+
+def _server(network: FakeNetwork, clock: FakeClock) -> ParameterServer:
+    return ParameterServer(
+        network.bridge("ps"), options=ServerOptions(poll_s=0.02, linger_s=0.0, clock=clock)
+    )
+
+
+def _delta(template: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(t.shape, generator=gen) * 0.01 for n, t in template.items()}
+
+
+def _received(peer: str, round_number: int, samples: int, delta: dict[str, torch.Tensor]) -> FakeReceived:
+    return FakeReceived(encode_state(delta), peer, "delta", round_number, samples)
+
+
+#: Unequal samples per trainer and round.
+SAMPLES = {
+    0: {"t0": 8, "t1": 24, "t2": 40},
+    1: {"t0": 32, "t1": 8, "t2": 16},
+    2: {"t0": 5, "t1": 50, "t2": 1},
+}
+
+
+def _reference(theta0: dict[str, torch.Tensor], rounds: int) -> dict[str, torch.Tensor]:
+    names = list(theta0)
+    params = [nn.Parameter(theta0[n].clone()) for n in names]
+    sgd = torch.optim.SGD(params, lr=OUTER_LR, momentum=MOMENTUM, nesterov=True)
+    for r in range(rounds):
+        total = sum(SAMPLES[r].values())
+        deltas = [(_delta(theta0, 10 * r + i), SAMPLES[r][p] / total) for i, p in enumerate(TRAINERS)]
+        for name, param in zip(names, params, strict=True):
+            param.grad = -sum((d[name] * w for d, w in deltas), torch.zeros_like(param))
+        sgd.step()
+    return {n: p.detach() for n, p in zip(names, params, strict=True)}
+
+
+async def _feed_round(ps: ParameterServer, theta0: dict[str, torch.Tensor], r: int) -> None:
+    for i, peer in enumerate(TRAINERS):
+        receipt = await ps.handle(_received(peer, r, SAMPLES[r][peer], _delta(theta0, 10 * r + i)))
+        assert receipt is not None and receipt.accepted
+    update = await ps.tick()
+    assert update is not None and update.round_number == r
+
+
+async def test_the_run_loop_matches_torch_sgd_nesterov_and_publishes_the_result(
+    tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
+) -> None:
+    network = _network(tmp_path, vit_dir)
+    ps = _server(network, FakeClock())
+    task = asyncio.ensure_future(ps.run())
+    for r in range(3):
+        for i, peer in reversed(list(enumerate(TRAINERS))):  # arrival order does not matter
+            network.deliver(
+                peer, "ps", "delta", r, SAMPLES[r][peer], encode_state(_delta(theta0, 10 * r + i))
+            )
+        update = await network.fetch("ps", "update", r, timeout_s=30)
+        assert update is not None
+
+    assert await asyncio.wait_for(task, 30) == 0
+
+    expected = _reference(theta0, 3)
+    assert ps.core is not None
+    for name, value in expected.items():
+        torch.testing.assert_close(ps.core.outer.parameters()[name], value, rtol=0, atol=1e-6)
+    last = decode_state(network.published[("ps", "update", 2)].read_bytes())
+    assert all(torch.equal(last[n], ps.core.outer.parameters()[n]) for n in last)
+    assert read_metadata(network.published[("ps", "global", 3)].read_bytes())["global_round"] == "3"
+    from transformers import AutoModelForImageClassification
+
+    final = AutoModelForImageClassification.from_pretrained(network.results["ps"])
+    for name, p in final.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=1e-6)
+    assert network.statuses["ps"] == [("succeeded", "3 rounds, 3 outer steps")]
+    assert [m[2]["samples"] for m in network.metrics] == [72.0, 56.0, 56.0]
+
+
+async def test_a_restarted_server_resumes_identical_state_and_republishes(
+    tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
+) -> None:
+    uninterrupted = _server(_network(tmp_path / "a", vit_dir), FakeClock())
+    await uninterrupted.start()
+    for r in range(3):
+        await _feed_round(uninterrupted, theta0, r)
+
+    network = _network(tmp_path / "b", vit_dir)
+    first = _server(network, FakeClock())
+    await first.start()
+    for r in range(2):
+        await _feed_round(first, theta0, r)
+    # Half of round 2 arrives, then the process dies: that round is collected again.
+    await first.handle(_received("t0", 2, SAMPLES[2]["t0"], _delta(theta0, 20)))
+    network.published.clear()
+
+    second = _server(network, FakeClock())
+    core = await second.start()
+
+    assert first.core is not None
+    assert core.round_number == 2 and core.outer.steps == 2 and not core.current_round.arrived
+    before, after = first.core.outer.state_dict(), core.outer.state_dict()
+    assert before["momentum_buffer"] is not None and after["momentum_buffer"] is not None
+    for name in theta0:
+        assert torch.equal(before["params"][name], after["params"][name])
+        assert torch.equal(before["momentum_buffer"][name], after["momentum_buffer"][name])
+    assert set(network.published) == {("ps", "update", 1), ("ps", "global", 2)}
+    await _feed_round(second, theta0, 2)
+    assert uninterrupted.core is not None
+    for name, value in uninterrupted.core.outer.parameters().items():
+        assert torch.equal(core.outer.parameters()[name], value)
+
+
+async def test_a_missing_trainer_round_completes_by_quorum_at_the_deadline(
+    tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
+) -> None:
+    clock = FakeClock()
+    network = _network(tmp_path, vit_dir, quorum=0.6, round_timeout_s=20.0)
+    ps = _server(network, clock)
+    await ps.start()
+    await ps.handle(_received("t0", 0, 10, _delta(theta0, 1)))
+    clock.now += 5
+    await ps.handle(_received("t1", 0, 30, _delta(theta0, 2)))
+
+    clock.now += 14.9  # 19.9 s after the first delta: quorum, but not yet the deadline
+    assert await ps.tick() is None
+    clock.now += 0.2
+    update = await ps.tick()
+
+    assert update is not None
+    assert update.contributors == ("t0", "t1") and update.missing == ("t2",) and update.samples == 40
+    assert ("ps", "update", 0) in network.published
+    late = await ps.handle(_received("t2", 0, 10, _delta(theta0, 3)))
+    assert late is not None and not late.accepted and "late" in late.reason
+    assert ps.core is not None and ps.core.round_number == 1 and not ps.core.current_round.arrived
+
+
+async def test_duplicate_unknown_and_malformed_deltas_are_dropped(
+    tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
+) -> None:
+    ps = _server(_network(tmp_path, vit_dir), FakeClock())
+    await ps.start()
+    assert await ps.handle(_received("t0", 0, 10, _delta(theta0, 1))) is not None
+
+    assert await ps.handle(_received("t0", 0, 10, _delta(theta0, 1))) is None  # a re-send
+    assert await ps.handle(_received("stranger", 0, 10, _delta(theta0, 1))) is None
+    assert await ps.handle(FakeReceived(b"not safetensors", "t1", "delta", 0, 10)) is None
+    wrong_shape = {n: torch.zeros(3) for n in theta0}
+    assert await ps.handle(_received("t1", 0, 10, wrong_shape)) is None
+    nan = {n: torch.full_like(t, float("nan")) for n, t in theta0.items()}
+    assert await ps.handle(_received("t1", 0, 10, nan)) is None
+    assert await ps.handle(_received("t1", 5, 10, _delta(theta0, 1))) is None  # a future round
+
+    assert ps.core is not None and ps.core.current_round.arrived == {"t0"}
+
+
+async def test_a_replacement_trainer_named_by_the_job_takes_the_lost_ones_place(
+    tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
+) -> None:
+    network = _network(tmp_path, vit_dir)
+    ps = _server(network, FakeClock())
+    await ps.start()
+    await ps.handle(_received("t0", 0, 10, _delta(theta0, 1)))
+    await ps.handle(_received("t1", 0, 10, _delta(theta0, 2)))
+    network.trainer_ids = ("t0", "t1", "t3")  # the scheduler replaced t2 with t3
+
+    receipt = await ps.handle(_received("t3", 0, 10, _delta(theta0, 3)))
+
+    assert receipt is not None and receipt.accepted
+    update = await ps.tick()
+    assert update is not None and update.contributors == ("t0", "t1", "t3")
+    assert ps.core is not None and ps.core.expected == {"t0", "t1", "t3"}
+
+
+async def test_a_job_without_rounds_fails_with_a_status(tmp_path: Path, vit_dir: Path) -> None:
+    network = _network(tmp_path, vit_dir, rounds=0)
+
+    assert await _server(network, FakeClock()).run() == 1
+    assert network.statuses["ps"][0][0] == "failed" and "rounds" in network.statuses["ps"][0][1]
+
+
+async def test_the_result_carries_the_preprocessor_files_beside_the_model(
+    tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
+) -> None:
+    network = _network(tmp_path, vit_dir, rounds=1)
+    network.spec.diloco.preprocessor.local_path = "/unused"
+    network.preprocessor_dir = tmp_path / "preprocessor"
+    network.preprocessor_dir.mkdir()
+    (network.preprocessor_dir / "preprocessor_config.json").write_text('{"do_resize": false}')
+    (network.preprocessor_dir / "config.json").write_text('{"not": "the model config"}')
+    ps = _server(network, FakeClock())
+    await ps.start()
+    for i, peer in enumerate(TRAINERS):
+        await ps.handle(_received(peer, 0, 8, _delta(theta0, i)))
+    assert await ps.tick() is not None
+
+    result = await ps.finish()
+
+    assert (result / "preprocessor_config.json").read_text() == '{"do_resize": false}'
+    assert "not" not in (result / "config.json").read_text()  # the model's own config wins
+    assert network.results["ps"] == result

@@ -1,0 +1,248 @@
+"""The training pieces the DiLoCo executors share: models, batches, steps, Δ, trainer checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hypha.data import synthetic
+from hypha.errors import DataLossError, InvalidArgumentError
+from hypha.tensors.payload import decode_state
+from hypha.v1 import common_pb2
+from hypha.worker.executors import models, training
+from hypha.worker.executors.models import ModelKind
+from hypha.worker.executors.training import BatchStream, InnerSettings
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _spec(kind: ModelKind, **fields: object) -> common_pb2.ModelSpec:
+    types = {
+        ModelKind.CAUSAL_LM: common_pb2.MODEL_TYPE_CAUSAL_LM,
+        ModelKind.VISION_CLASSIFICATION: common_pb2.MODEL_TYPE_VISION_CLASSIFICATION,
+        ModelKind.TORCH: common_pb2.MODEL_TYPE_TORCH,
+    }
+    return common_pb2.ModelSpec(type=types[kind], **fields)  # type: ignore[arg-type]
+
+
+def _batches(tensors: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
+    stream = BatchStream(size)
+    stream.add_slice(0, tensors)
+    out = []
+    while (batch := stream.next_batch()) is not None:
+        out.append(batch)
+    return out
+
+
+def _train(model: nn.Module, kind: ModelKind, batches: list[dict[str, torch.Tensor]], lr: float) -> None:
+    optimizer = training.make_inner_optimizer(model, InnerSettings(lr=lr))
+    for batch in batches:
+        training.train_step(model, optimizer, kind, batch)
+
+
+def test_tiny_gpt2_from_its_dir_lowers_the_loss_on_arithmetic(tmp_path: Path) -> None:
+    model_dir = models.save_tiny_model(ModelKind.CAUSAL_LM, tmp_path / "gpt2")
+    model = models.build_model(_spec(ModelKind.CAUSAL_LM), model_dir)
+    assert sum(p.numel() for p in model.parameters()) < 500_000
+    train = _batches(synthetic.arithmetic(160, seed=1).tensors, 8)
+    held_out = _batches(synthetic.arithmetic(32, seed=2).tensors, 16)
+    before = training.evaluate_loss(model, ModelKind.CAUSAL_LM, held_out)
+
+    _train(model, ModelKind.CAUSAL_LM, train, lr=3e-3)
+
+    after = training.evaluate_loss(model, ModelKind.CAUSAL_LM, held_out)
+    assert after < before - 1.0, (before, after)
+
+
+def test_tiny_vit_from_its_dir_lowers_the_loss_on_shapes(tmp_path: Path) -> None:
+    model_dir = models.save_tiny_model(ModelKind.VISION_CLASSIFICATION, tmp_path / "vit")
+    model = models.build_model(_spec(ModelKind.VISION_CLASSIFICATION), model_dir)
+    train = _batches(synthetic.shapes(512, seed=1).tensors, 16)
+    held_out = _batches(synthetic.shapes(64, seed=2).tensors, 32)
+    before = training.evaluate_loss(model, ModelKind.VISION_CLASSIFICATION, held_out)
+
+    _train(model, ModelKind.VISION_CLASSIFICATION, train * 10, lr=3e-3)  # 320 steps, under a second
+
+    after = training.evaluate_loss(model, ModelKind.VISION_CLASSIFICATION, held_out)
+    assert after < before - 0.2, (before, after)
+
+
+def test_config_overrides_reach_the_model(tmp_path: Path) -> None:
+    model_dir = models.save_tiny_model(ModelKind.CAUSAL_LM, tmp_path / "gpt2")
+    spec = _spec(ModelKind.CAUSAL_LM, config_overrides={"resid_pdrop": "0.25"})
+    model = models.build_model(spec, model_dir)
+    assert model.config.resid_pdrop == 0.25  # type: ignore[union-attr]
+
+
+class _Mlp(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 3))
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.net(features)  # logits: the trainer adds cross-entropy against labels
+
+
+def make_mlp(width: int = 8) -> nn.Module:
+    return _Mlp(width)
+
+
+def test_torch_factory_builds_the_same_module_everywhere_and_trains_on_logits(tmp_path: Path) -> None:
+    spec = _spec(ModelKind.TORCH, torch_factory=f"{__name__}:make_mlp", config_overrides={"width": "16"})
+    first, second = models.build_model(spec, None), models.build_model(spec, None)
+    assert isinstance(first, _Mlp) and first.net[0].out_features == 16
+    for a, b in zip(first.parameters(), second.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert not models.has_pretrained_weights(spec, None)
+    gen = torch.Generator().manual_seed(0)
+    features = torch.randn(64, 4, generator=gen)
+    batch = {"features": features, "labels": (features[:, 0] > 0).long() + (features[:, 1] > 0).long()}
+    before = training.evaluate_loss(first, ModelKind.TORCH, [batch])
+
+    _train(first, ModelKind.TORCH, [batch] * 40, lr=1e-2)
+
+    assert training.evaluate_loss(first, ModelKind.TORCH, [batch]) < before
+    out = models.save_model_dir(first, tmp_path / "out", spec)
+    reloaded = models.build_model(spec, out)
+    assert models.has_pretrained_weights(spec, out)
+    for a, b in zip(first.parameters(), reloaded.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert json.loads((out / "config.json").read_text())["torch_factory"] == spec.torch_factory
+
+
+def test_a_bad_torch_factory_path_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError):
+        models.build_model(_spec(ModelKind.TORCH, torch_factory="no_colon_here"), None)
+
+
+def test_batches_span_slices_and_slices_count_as_used_once_fully_consumed() -> None:
+    stream = BatchStream(4, keys=("x",))
+    stream.add_slice(7, {"x": torch.arange(5), "ignored": torch.zeros(5)})
+    first = stream.next_batch()
+    assert first is not None and first["x"].tolist() == [0, 1, 2, 3] and set(first) == {"x"}
+    assert stream.take_consumed() == []
+    assert stream.next_batch() is None  # one row left: not a full batch
+    stream.add_slice(8, {"x": torch.arange(10, 15)})
+    second = stream.next_batch()
+    assert second is not None and second["x"].tolist() == [4, 10, 11, 12]
+    assert stream.take_consumed() == [7]
+    assert stream.take_consumed() == []
+    rest = stream.flush()
+    assert rest is not None and rest["x"].tolist() == [13, 14]
+    assert stream.take_consumed() == [8]
+    assert stream.flush() is None
+
+
+def test_a_slice_whose_tensors_disagree_on_samples_is_data_loss() -> None:
+    with pytest.raises(DataLossError):
+        BatchStream(2).add_slice(0, {"a": torch.zeros(3), "b": torch.zeros(4)})
+
+
+def test_delta_and_apply_round_trip_on_a_tied_model(tmp_path: Path) -> None:
+    model = models.build_model(
+        _spec(ModelKind.CAUSAL_LM), models.save_tiny_model(ModelKind.CAUSAL_LM, tmp_path / "m")
+    )
+    theta_global = training.parameter_state(model)
+    # Tied embeddings travel once: the head is not a separate parameter.
+    assert "lm_head.weight" not in theta_global
+    _train(model, ModelKind.CAUSAL_LM, _batches(synthetic.arithmetic(16).tensors, 8), lr=1e-2)
+    theta_local = training.parameter_state(model)
+
+    delta = training.compute_delta(model, theta_global)
+
+    assert set(delta) == set(theta_global)
+    assert any(bool(d.abs().max() > 0) for d in delta.values())
+    for name in delta:
+        assert torch.allclose(theta_global[name] + delta[name], theta_local[name], atol=1e-6)
+    training.apply_global(model, theta_global)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), theta_global[name])
+    tied: Any = model
+    assert tied.lm_head.weight.data_ptr() == tied.transformer.wte.weight.data_ptr()
+
+
+@pytest.mark.parametrize(("dtype", "torch_dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_deltas_travel_in_the_jobs_dtype(dtype: str, torch_dtype: torch.dtype) -> None:
+    delta = {"w": torch.linspace(-1, 1, 64).reshape(8, 8)}
+    blob = training.encode_delta(delta, dtype, round_number=3, samples=12)
+    raw = decode_state(blob, None)
+    assert raw["w"].dtype == torch_dtype
+    assert torch.allclose(decode_state(blob)["w"], delta["w"], atol=1e-2)
+
+
+def test_apply_global_refuses_a_state_of_another_model() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(InvalidArgumentError):
+        training.apply_global(model, {"weight": torch.zeros(2, 2)})
+
+
+def test_trainer_state_round_trips_model_optimizer_and_round(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    optimizer = training.make_inner_optimizer(model, InnerSettings(lr=1e-2))
+    batch = {"x": torch.randn(8, 4)}
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(batch["x"]).pow(2).mean().backward()
+        optimizer.step()
+    state = training.TrainerState(round_number=5, samples_total=120)
+
+    training.save_trainer_state(tmp_path, model, optimizer, state)
+    training.save_trainer_state(tmp_path, model, optimizer, state)  # a second save replaces the first
+
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    fresh_optimizer = training.make_inner_optimizer(fresh, InnerSettings(lr=1e-2))
+    assert training.load_trainer_state(tmp_path, fresh, fresh_optimizer) == state
+    for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    saved, loaded = optimizer.state_dict(), fresh_optimizer.state_dict()
+    assert saved["param_groups"] == loaded["param_groups"]
+    for key, values in saved["state"].items():
+        for name, value in values.items():
+            assert torch.equal(value, loaded["state"][key][name])
+    assert len(list(tmp_path.glob("model-*.safetensors"))) == 1
+
+
+def test_no_trainer_checkpoint_means_a_fresh_start(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    assert training.load_trainer_state(tmp_path, model, torch.optim.AdamW(model.parameters())) is None
+
+
+def test_a_damaged_trainer_checkpoint_is_data_loss(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    training.save_trainer_state(tmp_path, model, optimizer, training.TrainerState(1))
+    victim = next(tmp_path.glob("model-*.safetensors"))
+    victim.write_bytes(victim.read_bytes()[:-1] + b"\x00")
+    with pytest.raises(DataLossError):
+        training.load_trainer_state(tmp_path, model, optimizer)
+
+
+def test_the_spec_reads_from_a_proto_or_its_json() -> None:
+    from google.protobuf import json_format
+
+    job = common_pb2.JobSpec(
+        name="j",
+        diloco=common_pb2.DilocoJobSpec(rounds=7, delta_dtype=common_pb2.DELTA_DTYPE_BF16),
+    )
+    as_json = json_format.MessageToDict(job)
+    assert training.diloco_spec(job).rounds == 7
+    assert training.diloco_spec(as_json).rounds == 7
+    assert training.delta_wire_dtype(training.diloco_spec(as_json)) == "bf16"
+    with pytest.raises(InvalidArgumentError):
+        training.diloco_spec(common_pb2.JobSpec(task=common_pb2.TaskJobSpec(command="x")))
+
+
+def test_unset_inner_settings_take_torch_defaults() -> None:
+    settings = InnerSettings.from_proto(common_pb2.AdamWConfig(learning_rate=0.01))
+    assert settings == InnerSettings(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    with pytest.raises(InvalidArgumentError):
+        InnerSettings.from_proto(common_pb2.AdamWConfig(beta1=1.5))

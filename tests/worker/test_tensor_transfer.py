@@ -1,0 +1,307 @@
+"""Worker <-> worker tensor payloads over real mTLS servers (and the relay): whole, verified, or nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from hypha.executor import BridgeClient
+from hypha.market.resources import ExecutorKind
+from hypha.net.connector import PeerConnector
+from hypha.net.relay import Relay
+from hypha.net.server import NodeServer
+from hypha.net.tls import TlsMaterial
+from hypha.pki.identity import Role
+from hypha.tensors.chunks import split_payload
+from hypha.tensors.payload import CONTENT_TYPE, decode_state, encode_state
+from hypha.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from hypha.worker.bridge import BridgeContext, JobBridge
+from hypha.worker.job_state import ExecutionRecord, JobDispatch
+from hypha.worker.jobs import JobManager, JobsSection
+from hypha.worker.jobs_servicer import WorkerJobs, WorkerJobsMixin
+from hypha.worker.scheduler_link import LogForwarder
+from hypha.worker.transfer import TensorExchange, TransferSettings
+from tests.conftest import Pki
+from tests.helpers import eventually
+from tests.net.fakelink import FakeNetwork
+from tests.worker.fakes import FakeSchedulerLink
+
+JOB = "job-t"
+FAST_RETRY = TransferSettings(backoff_base_s=0.01, backoff_cap_s=0.05)
+
+
+class JobsWorker(WorkerJobsMixin, worker_pb2_grpc.WorkerServicer):
+    """The job half of the worker's servicer, wired the way the worker composes it."""
+
+    def __init__(self, jobs: WorkerJobs) -> None:
+        self.jobs = jobs
+
+
+class BrokenFirstAttempt(TensorExchange):
+    """Named fault: the first push stream stops after two chunks, as if the connection died."""
+
+    def _outgoing(
+        self, attempt: int, messages: AsyncIterator[worker_pb2.TensorChunk]
+    ) -> AsyncIterator[worker_pb2.TensorChunk]:
+        if attempt > 0:
+            return messages
+
+        async def cut() -> AsyncIterator[worker_pb2.TensorChunk]:
+            sent = 0
+            async for message in messages:
+                yield message
+                sent += 1
+                if sent == 2:
+                    return
+
+        return cut()
+
+
+@dataclass
+class Node:
+    tls: TlsMaterial
+    exchange: TensorExchange
+    server: NodeServer
+    connector: PeerConnector
+
+    @property
+    def peer_id(self) -> str:
+        return self.tls.identity.peer_id
+
+
+async def start_node(tls: TlsMaterial, tmp_path: Path, exchange: TensorExchange) -> Node:
+    manager = JobManager(
+        JobsSection(), tmp_path, exchange=exchange, link_factory=lambda d: FakeSchedulerLink()
+    )
+    jobs = WorkerJobs(manager, exchange, lease_ok=lambda lease, scheduler: True)
+    server = NodeServer(
+        tls,
+        "127.0.0.1:0",
+        [(worker_pb2_grpc.add_WorkerServicer_to_server, JobsWorker(jobs), "hypha.v1.Worker")],
+    )
+    await server.start()
+    connector = PeerConnector(tls, None)
+    exchange.connector = connector
+    return Node(tls, exchange, server, connector)
+
+
+@pytest.fixture
+async def pair(pki: Pki, tmp_path: Path) -> AsyncIterator[tuple[Node, Node]]:
+    """Worker A (a trainer's side) and worker B (the parameter server's side), both serving."""
+    a = await start_node(pki.tls("worker"), tmp_path / "a", BrokenFirstAttempt(None, FAST_RETRY))
+    b = await start_node(pki.issue("worker", "worker-b"), tmp_path / "b", TensorExchange(None, FAST_RETRY))
+    b.exchange.open_job(JOB)
+    a.exchange.open_job(JOB)
+    yield a, b
+    for node in (a, b):
+        await node.connector.close()
+        await node.server.stop(0)
+
+
+def write_state(path: Path, megabytes: int, seed: int = 0) -> bytes:
+    generator = torch.Generator().manual_seed(seed)
+    state = {
+        "w": torch.randn(megabytes * 1024 * 1024 // 4, generator=generator),
+        "step": torch.tensor([seed]),
+    }
+    payload = encode_state(state)
+    path.write_bytes(payload)
+    return payload
+
+
+async def test_a_broken_push_is_never_queued_and_the_retry_arrives_bit_identical(
+    pair: tuple[Node, Node], tmp_path: Path
+) -> None:
+    # Prepare: a multi-MiB delta; A's first stream dies after two chunks
+    a, b = pair
+    payload = write_state(tmp_path / "delta.safetensors", megabytes=5)
+
+    # Execute
+    accepted, message = await a.exchange.send(
+        JOB, b.peer_id, [b.server.address], "delta", 3, 128, tmp_path / "delta.safetensors"
+    )
+    received = await b.exchange.next_received(JOB, "delta", timeout_s=5)
+    nothing_more = await b.exchange.next_received(JOB, "delta", timeout_s=0.2)
+
+    # Assert: one refusal, one retry, exactly one complete payload
+    assert (accepted, message) == (True, "queued")
+    assert a.exchange.stats["send_retries"] == 1
+    assert b.exchange.stats["refused"] == 1 and b.exchange.stats["received"] == 1
+    assert received is not None and nothing_more is None
+    assert received.data == payload
+    assert (received.from_peer, received.kind, received.round, received.samples) == (
+        a.peer_id,
+        "delta",
+        3,
+        128,
+    )
+    assert torch.equal(decode_state(received.data)["w"], decode_state(payload)["w"])
+
+
+async def test_a_stream_with_a_wrong_checksum_is_refused(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    payload = encode_state({"w": torch.ones(300_000)})
+    chunks = list(split_payload(payload, chunk_size=256 * 1024, content_type=CONTENT_TYPE))
+    chunks[-1].sha256 = "0" * 64
+
+    async def stream() -> AsyncIterator[worker_pb2.TensorChunk]:
+        for i, chunk in enumerate(chunks):
+            yield (
+                worker_pb2.TensorChunk(job_id=JOB, kind="delta", round=1, chunk=chunk)
+                if i == 0
+                else (worker_pb2.TensorChunk(chunk=chunk))
+            )
+
+    stub = worker_pb2_grpc.WorkerStub(await a.connector.channel(b.peer_id, [b.server.address]))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.PushTensors(stream(), timeout=10)
+
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert await b.exchange.next_received(JOB, "delta", timeout_s=0.2) is None
+
+
+async def test_a_push_for_a_job_not_here_is_answered_not_queued(
+    pair: tuple[Node, Node], tmp_path: Path
+) -> None:
+    a, b = pair
+    write_state(tmp_path / "d.safetensors", megabytes=1)
+
+    accepted, message = await a.exchange.send(
+        "no-such-job", b.peer_id, [b.server.address], "delta", 0, 1, tmp_path / "d.safetensors"
+    )
+
+    assert not accepted and message.startswith("NOT_FOUND")
+
+
+async def test_pull_waits_until_the_round_is_published(pair: tuple[Node, Node], tmp_path: Path) -> None:
+    # Prepare: A asks B for round 2's update before B has it
+    a, b = pair
+    payload = write_state(tmp_path / "update-2.safetensors", megabytes=3, seed=2)
+    pull = asyncio.create_task(
+        a.exchange.fetch(JOB, b.peer_id, [b.server.address], "update", 2, timeout_s=20)
+    )
+    await eventually(lambda: b.exchange.pulls_waiting == 1, timeout=10, message="pull waiting at B")
+    assert not pull.done()
+
+    # Execute: B publishes round 2
+    await b.exchange.publish(JOB, "update", 2, tmp_path / "update-2.safetensors")
+    received = await asyncio.wait_for(pull, 10)
+
+    # Assert
+    assert received is not None and received.data == payload
+    assert (received.round, received.kind, received.from_peer) == (2, "update", b.peer_id)
+
+
+async def test_pull_of_global_serves_the_newest_and_times_out_politely(
+    pair: tuple[Node, Node], tmp_path: Path
+) -> None:
+    a, b = pair
+    for round in (4, 5):
+        write_state(tmp_path / f"global-{round}.safetensors", megabytes=1, seed=round)
+        await b.exchange.publish(JOB, "global", round, tmp_path / f"global-{round}.safetensors")
+
+    latest = await a.exchange.fetch(JOB, b.peer_id, [b.server.address], "global", 0, timeout_s=10)
+    missing = await a.exchange.fetch(JOB, b.peer_id, [b.server.address], "update", 9, timeout_s=0.5)
+
+    assert latest is not None and latest.round == 5
+    assert latest.data == (tmp_path / "global-5.safetensors").read_bytes()
+    assert missing is None
+
+
+async def test_executors_exchange_tensors_through_their_bridges(
+    pair: tuple[Node, Node], tmp_path: Path
+) -> None:
+    # Prepare: a trainer's bridge on A (knowing the PS's address) and the PS's bridge on B
+    a, b = pair
+    spec = common_pb2.JobSpec(diloco=common_pb2.DilocoJobSpec(dataset="tiny"))
+    trainer = JobDispatch(
+        JOB,
+        "l",
+        ExecutorKind.DILOCO_TRAINER,
+        spec,
+        "s",
+        parameter_server_id=b.peer_id,
+        parameter_server_addresses=(b.server.address,),
+    )
+    ps = JobDispatch(JOB, "l", ExecutorKind.PARAMETER_SERVER, spec, "s", trainer_ids=(a.peer_id,))
+    bridges, clients = [], []
+    for node, dispatch, name in ((a, trainer, "trainer"), (b, ps, "ps")):
+        work_dir = tmp_path / name
+        work_dir.mkdir(mode=0o700)
+        link = FakeSchedulerLink()
+        bridge = JobBridge(
+            BridgeContext(
+                dispatch, work_dir, ExecutionRecord(JOB, name), link, node.exchange, LogForwarder(link, JOB)
+            )
+        )
+        clients.append(BridgeClient(await bridge.start()))
+        bridges.append(bridge)
+    trainer_client, ps_client = clients
+    try:
+        delta = write_state(tmp_path / "trainer" / "delta.safetensors", megabytes=2, seed=7)
+        update = write_state(tmp_path / "ps" / "update.safetensors", megabytes=2, seed=8)
+
+        # Execute: trainer sends its delta; the PS takes it from its inbox and publishes the update
+        accepted, _ = await trainer_client.send_tensors(b.peer_id, "delta", 1, 64, "delta.safetensors")
+        got = await ps_client.inbox("delta", timeout_s=10)
+        await ps_client.publish_tensors("update", 1, "update.safetensors")
+        pulled = await trainer_client.fetch_tensors(b.peer_id, "update", 1, timeout_s=10)
+        empty = await ps_client.inbox("delta", timeout_s=0.1)
+    finally:
+        for client in clients:
+            await client.close()
+        for bridge in bridges:
+            await bridge.stop()
+
+    # Assert
+    assert accepted
+    assert got is not None and got.data == delta
+    assert (got.from_peer, got.round, got.samples) == (a.peer_id, 1, 64)
+    assert pulled == update
+    assert empty is None
+
+
+async def test_push_through_the_relay_when_no_address_answers(pki: Pki, tmp_path: Path) -> None:
+    # Prepare: B serves only over the relay; A knows no address for it
+    network = FakeNetwork(queue_size=64)
+    a_tls, b_tls = pki.tls("worker"), pki.issue("worker", "worker-b")
+    b_exchange = TensorExchange(None)
+    b_exchange.open_job(JOB)
+    manager = JobManager(
+        JobsSection(), tmp_path / "b", exchange=b_exchange, link_factory=lambda d: FakeSchedulerLink()
+    )
+    b_relay = Relay(network.link(b_tls.identity.peer_id, Role.WORKER))
+    b_relay.serve(
+        [
+            (
+                worker_pb2_grpc.add_WorkerServicer_to_server,
+                JobsWorker(WorkerJobs(manager, b_exchange, lease_ok=lambda lease, s: True)),
+                "hypha.v1.Worker",
+            )
+        ]
+    )
+    a_relay = Relay(network.link(a_tls.identity.peer_id, Role.WORKER))
+    for relay in (a_relay, b_relay):
+        await relay.start()
+    a_exchange = TensorExchange(PeerConnector(a_tls, a_relay), FAST_RETRY)
+    payload = write_state(tmp_path / "delta.safetensors", megabytes=3, seed=3)
+    try:
+        # Execute
+        accepted, _ = await a_exchange.send(
+            JOB, b_tls.identity.peer_id, [], "delta", 2, 10, tmp_path / "delta.safetensors"
+        )
+        received = await b_exchange.next_received(JOB, "delta", timeout_s=10)
+    finally:
+        for relay in (a_relay, b_relay):
+            await relay.stop()
+
+    # Assert
+    assert accepted
+    assert received is not None and received.data == payload
+    assert received.from_peer == a_tls.identity.peer_id
