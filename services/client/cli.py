@@ -487,7 +487,7 @@ def _add_fetch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=Path, help="directory to write the result files into")
 
 
-class _FileSink:
+class FileSink:
     """Writes streamed result files under a directory, each checked against its sha256.
 
     A file is written to ``NAME.part`` and renamed only once its checksum
@@ -560,7 +560,7 @@ class _FileSink:
 def _fetch(args: argparse.Namespace) -> int:
     async def body(s: Session) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
-        sink = _FileSink(args.out)
+        sink = FileSink(args.out)
         try:
             async for item in s.stub.FetchResult(scheduler_pb2.FetchResultRequest(job_id=args.job)):
                 sink.feed(item)
@@ -611,7 +611,14 @@ def _demo(args: argparse.Namespace) -> int:
     from hypha.client.cluster import DEFAULT_STATE_DIR
     from hypha.client.demo import demo
 
-    return demo(args.state_dir or DEFAULT_STATE_DIR, args.workers, args.output or "text")
+    return demo(args.state_dir or DEFAULT_STATE_DIR, args.workers, args.output or "text", args.rounds)
+
+
+def _add_demo(p: argparse.ArgumentParser) -> None:
+    from hypha.client.demo import ROUNDS
+
+    _add_state_dir(p, True)
+    p.add_argument("--rounds", type=int, default=ROUNDS, help=f"outer DiLoCo rounds (default {ROUNDS})")
 
 
 register("submit", Command("submit a job file", _add_submit, _submit))
@@ -627,7 +634,7 @@ register(
     Command("start a local cluster (foreground; Ctrl-C stops it)", lambda p: _add_state_dir(p, True), _up),
 )
 register("down", Command("stop the local cluster", lambda p: _add_state_dir(p, False), _down))
-register("demo", Command("run the demo on the local cluster", lambda p: _add_state_dir(p, True), _demo))
+register("demo", Command("train a tiny model with DiLoCo on the local cluster and report", _add_demo, _demo))
 
 
 # ---- main ---------------------------------------------------------------------------------------
