@@ -90,7 +90,7 @@ async def main(quick: bool) -> None:
 
     repeats = 3 if quick else 7
     pki = temp_pki()
-    state = {f"layer{i}.weight": torch.randn(1024, 1024) for i in range(25)}  # 25 × 4 MiB = 100 MiB
+    state = {f"layer{i}.weight": torch.randn(1024, 1024) for i in range(25)}  # 25 x 4 MiB = 100 MiB
     data = encode_state(state)
     path = Path(tempfile.mkdtemp(prefix="hypha-transfer-")) / "delta.safetensors"
     path.write_bytes(data)
