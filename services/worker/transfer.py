@@ -364,7 +364,13 @@ class TensorExchange:
                 reasons.append(f"{code.name}: {err.details()}")
                 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     await connector.invalidate(peer_id)
-                if code in RETRYABLE_CODES or code is grpc.StatusCode.DATA_LOSS:
+                # NOTE: grpcio sometimes reports a server's early final status on a client
+                # stream (e.g. NOT_FOUND after the first chunk) as this INTERNAL instead; it is a
+                # transport artefact, so the push is tried again to learn the real answer.
+                core_artefact = (
+                    code is grpc.StatusCode.INTERNAL and err.details() == "Internal error from Core"
+                )
+                if code in RETRYABLE_CODES or code is grpc.StatusCode.DATA_LOSS or core_artefact:
                     log.info("sending %s to %s: attempt %d failed: %s", kind, peer_id, attempt + 1, code.name)
                     continue
                 return False, reasons[-1]
