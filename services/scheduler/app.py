@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from hypha.scheduler.market import SchedulerMarket
 from hypha.scheduler.metrics import SchedulerMetrics, StatusBridge
 from hypha.scheduler.orchestrator import DatasetProviders, Orchestrator
 from hypha.scheduler.rest import RestServer
-from hypha.scheduler.store import DB_NAME, JobStore, SqliteJobStore
+from hypha.scheduler.store import DB_NAME, JobStore
 from hypha.v1 import scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -79,10 +78,8 @@ class _JobsPart:
         self.bridge = bridge
 
     async def start(self) -> None:
-        # NOTE: the servicers were built with this JobStore before any event loop ran,
-        # so it is opened in place here (JobStore.open() would make another instance).
-        store = self.store
-        store._store = await store._call(partial(SqliteJobStore, store.path, **store._options))
+        # The servicers were built with this JobStore before any event loop ran; open it in place.
+        await self.store.start()
         if self.bridge is not None:
             await self.bridge.start()
         await self.orchestrator.start()

@@ -29,7 +29,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -236,9 +236,11 @@ class SchedulerMarket:
         replace_lost: bool = False,
         timeout_s: float | None = None,
         tag: str = "",
+        exclude: Collection[str] = (),
     ) -> list[HeldLease]:
         """Lease ``count`` distinct workers meeting ``requirement``; may return fewer
         when the market has too few before ``timeout_s`` (default ``allocate_timeout_s``).
+        Offers from workers in ``exclude`` (e.g. those already working on the job) are refused.
 
         With ``replace_lost``, a lease of this allocation that is later lost is
         replaced automatically (a REPLACED event reports the new one).
@@ -257,8 +259,8 @@ class SchedulerMarket:
         deadline = self._clock() + (timeout_s or self.section.allocate_timeout_s)
         won: list[HeldLease] = []
         while len(won) < count and self._clock() < deadline and not self._stopping:
-            exclude = frozenset(lease.worker_id for lease in won)
-            won.extend(await self._round(requirement, count - len(won), terms, window_s, deadline, exclude))
+            skip = frozenset(exclude) | {lease.worker_id for lease in won}
+            won.extend(await self._round(requirement, count - len(won), terms, window_s, deadline, skip))
         self.stats["allocations"] += 1
         if len(won) < count:
             self.stats["allocations_short"] += 1

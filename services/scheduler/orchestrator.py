@@ -48,7 +48,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -344,22 +344,28 @@ class Orchestrator:
 
     # ---- the workers' side (control.JobControl) -------------------------------------------
 
-    def _run_for(self, worker_id: str, job_id: str) -> _Run:
+    async def _run_for(self, worker_id: str, job_id: str) -> _Run | None:
+        """The job's live run if ``worker_id`` works on it; None when the job is over (a late
+        report from one of its workers, which is acknowledged and ignored)."""
         run = self._runs.get(job_id)
-        if run is None:
-            raise NotFoundError(f"job {job_id} is not running on this scheduler")
-        if worker_id not in run.participants:
+        if run is not None:
+            if worker_id not in run.participants:
+                raise PermissionDeniedError(f"worker {worker_id} does not work on job {job_id}")
+            return run
+        job = await self.store.find(job_id)
+        if job is None:
+            raise NotFoundError(f"no job {job_id} on this scheduler")
+        if worker_id not in job.workers:
             raise PermissionDeniedError(f"worker {worker_id} does not work on job {job_id}")
-        return run
+        return None
 
     async def report_progress(
         self, worker_id: str, report: scheduler_pb2.ProgressReport
     ) -> scheduler_pb2.Directive:
-        run = self._runs.get(report.job_id)
+        run = await self._run_for(worker_id, report.job_id)
         if run is None:
-            # The job is over (or unknown): whoever still trains on it must stop.
+            # The job is over: whoever still trains on it must stop.
             return scheduler_pb2.Directive(kind=scheduler_pb2.DIRECTIVE_KIND_DONE, round=report.round)
-        run = self._run_for(worker_id, report.job_id)
         if not isinstance(run, _DilocoRun) or run.planner is None:
             raise FailedPreconditionError(f"job {report.job_id} is not a running DiLoCo job")
         trainer = run.trainers.get(worker_id)
@@ -378,7 +384,9 @@ class Orchestrator:
     async def next_slice(
         self, worker_id: str, request: scheduler_pb2.NextSliceRequest
     ) -> scheduler_pb2.NextSliceResponse:
-        run = self._run_for(worker_id, request.job_id)
+        run = await self._run_for(worker_id, request.job_id)
+        if run is None:
+            return scheduler_pb2.NextSliceResponse(available=False)
         if not isinstance(run, _DilocoRun) or run.tracker is None:
             raise FailedPreconditionError(f"job {request.job_id} has no data slices")
         tracker = run.tracker
@@ -406,11 +414,11 @@ class Orchestrator:
         )
 
     async def report_metrics(self, worker_id: str, report: scheduler_pb2.MetricsReport) -> None:
-        run = self._run_for(worker_id, report.job_id)
+        run = await self._run_for(worker_id, report.job_id)
         values = dict(report.values)
-        await self.store.record_metrics(run.job_id, int(report.round), values, worker_id)
+        await self.store.record_metrics(report.job_id, int(report.round), values, worker_id)
         if self.status_bridge is not None:
-            self.status_bridge.push_metrics(run.job_id, worker_id, int(report.round), values)
+            self.status_bridge.push_metrics(report.job_id, worker_id, int(report.round), values)
         if not isinstance(run, _DilocoRun):
             return
         if run.ps is not None and worker_id == run.ps.worker_id:
@@ -431,9 +439,9 @@ class Orchestrator:
         await self._store_progress(run)
 
     async def report_job_status(self, worker_id: str, report: scheduler_pb2.JobStatusReport) -> None:
-        run = self._run_for(worker_id, report.job_id)
-        if int(report.state) not in _FINAL_REPORTS:
-            return  # RUNNING: nothing to decide
+        run = await self._run_for(worker_id, report.job_id)
+        if run is None or int(report.state) not in _FINAL_REPORTS:
+            return  # over already, or RUNNING: nothing to decide
         outcome = _attempt_end(int(report.state), int(report.exit_code), report.message)
         if isinstance(run, _TaskRun):
             if worker_id == run.worker_id and report.attempt == run.attempt:
@@ -458,13 +466,7 @@ class Orchestrator:
         for line in lines:
             by_job.setdefault(line.job_id, []).append(LogEntry.from_proto(line))
         for job_id, entries in by_job.items():
-            run = self._runs.get(job_id)
-            if run is not None and worker_id not in run.participants:
-                raise PermissionDeniedError(f"worker {worker_id} does not work on job {job_id}")
-            if run is None:
-                job = await self.store.find(job_id)
-                if job is None or worker_id not in job.workers:
-                    raise PermissionDeniedError(f"worker {worker_id} does not work on job {job_id}")
+            await self._run_for(worker_id, job_id)  # only a job's own workers write its logs
             await self.store.append_logs(job_id, entries)
 
     # ---- driving one job ---------------------------------------------------------------------
@@ -540,11 +542,19 @@ class Orchestrator:
         await self.market.release(lease.lease_id)
 
     async def _allocate(
-        self, run: _Run, requirement: Requirements, count: int, price: PriceRange | None, policy: str
+        self,
+        run: _Run,
+        requirement: Requirements,
+        count: int,
+        price: PriceRange | None,
+        policy: str,
+        exclude: Collection[str] = (),
     ) -> list[HeldLease]:
         async with self._allocations:
             started = self._clock()
-            leases = await self.market.allocate(requirement, count, price, policy or None, tag=run.job_id)
+            leases = await self.market.allocate(
+                requirement, count, price, policy or None, tag=run.job_id, exclude=exclude
+            )
             if self.metrics is not None and leases:
                 self.metrics.allocation_seconds.observe(self._clock() - started)
         for lease in leases:
@@ -777,9 +787,9 @@ class Orchestrator:
         deadline = self._clock() + self.jobs_cfg.allocate_wait_s
         held: list[HeldLease] = []
         while len(held) < count:
-            got = await self._allocate(run, requirement, count - len(held), price, policy)
+            taken = exclude | {h.worker_id for h in held}
+            got = await self._allocate(run, requirement, count - len(held), price, policy, taken)
             for lease in got:
-                taken = exclude | {h.worker_id for h in held}
                 if lease.worker_id in taken:
                     await self._drop(run, lease, cancel=False)
                 else:

@@ -20,7 +20,6 @@ on the market (nothing reaches it).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from hypha.market.leases import Lease, LeaseState
 from hypha.net.connector import PeerConnector
@@ -98,19 +97,8 @@ def build(settings: WorkerSettings, tls: TlsMaterial) -> WorkerNode:
         lease = market.ledger.find(lease_id)
         return lease is not None and lease.holder == scheduler_id and lease.state is LeaseState.ACTIVE
 
-    def result_of(job_id: str) -> tuple[Path, str] | None:
-        # NOTE: the job manager has no public accessor for "result dir and dispatching
-        # scheduler" yet; an execution reports its end (and the scheduler may pull) before it
-        # moves from the manager's active to its finished executions, so both are searched.
-        executions = [*manager._active.values(), *reversed(manager._finished.values())]
-        for execution in executions:
-            record = execution.record
-            if record.job_id == job_id and record.result_dir and Path(record.result_dir).is_dir():
-                return Path(record.result_dir), execution.dispatch.scheduler_id
-        return None
-
     jobs = WorkerJobs(manager, exchange, lease_ok=lease_ok, executors=cfg.executors)
-    servicer = WorkerServicer(market, settings.name, jobs, result_of)
+    servicer = WorkerServicer(market, settings.name, jobs, manager.result_of)
 
     async def lease_ended(lease: Lease) -> None:
         await manager.cancel_jobs_for_lease(lease.lease_id, f"lease {lease.lease_id} ended")

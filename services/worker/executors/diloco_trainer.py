@@ -249,6 +249,7 @@ class DilocoTrainer:
                 batch_size=batch_size,
             )
         except UnavailableError as exc:
+            _raise_if_bridge_gone(exc)
             logger.warning("progress report failed: %s; continuing", exc.message)
             return DirectiveKind.CONTINUE, 0
         try:
@@ -267,6 +268,7 @@ class DilocoTrainer:
             try:
                 info = await self.bridge.next_slice()
             except UnavailableError as exc:
+                _raise_if_bridge_gone(exc)
                 logger.warning("no slice for now: %s", exc.message)
                 info = None
             if info is None:
@@ -330,6 +332,7 @@ class DilocoTrainer:
         try:
             await self.bridge.metrics(round_number, values)
         except UnavailableError as exc:  # figures are best effort; training goes on
+            _raise_if_bridge_gone(exc)
             logger.warning("metrics of round %d not delivered: %s", round_number, exc.message)
         self.round_number = round_number + 1
         await asyncio.to_thread(
@@ -347,6 +350,7 @@ class DilocoTrainer:
                 peer=self.ps, kind=DELTA, round=round_number, samples=samples, path=path
             )
         except UnavailableError as exc:
+            _raise_if_bridge_gone(exc)
             logger.warning("delta for round %d not delivered: %s", round_number, exc.message)
             return
         accepted, message = send_outcome(reply)
@@ -362,6 +366,7 @@ class DilocoTrainer:
         """
         deadline = self.options.clock() + self.options.update_patience_s
         attempt = 0
+        pause_s = self.options.idle_min_s
         while True:
             attempt += 1
             try:
@@ -369,14 +374,32 @@ class DilocoTrainer:
                     peer=self.ps, kind=kind, round=round_number, timeout_s=self.options.fetch_timeout_s
                 )
             except UnavailableError as exc:  # the parameter server's worker is unreachable for now
+                _raise_if_bridge_gone(exc)
                 logger.warning("fetching %s of round %d: %s", kind, round_number, exc.message)
                 data = None
+                # A failure answers at once (unlike a fetch that waited): pause before the next try.
+                await asyncio.sleep(pause_s)
+                pause_s = min(pause_s * 2, self.options.idle_max_s)
             if data is not None:
                 return data
             if (tries is not None and attempt >= tries) or self.options.clock() >= deadline:
                 raise UnavailableError(f"no {kind} for round {round_number} from the parameter server")
             if resend is not None:
                 await self._send_delta(resend[0], round_number, resend[1])
+
+
+def _raise_if_bridge_gone(exc: UnavailableError) -> None:
+    """Re-raise when the job bridge itself cannot be reached: the worker is gone.
+
+    NOTE: the bridge is a local Unix socket, so a refused or missing
+    connection (an OSError behind the error, other than a timeout) does not
+    heal; carrying on would leave an orphaned executor retrying for as long as
+    its patience lasts. Failures the bridge reports (503: a peer or the
+    scheduler is unreachable) stay retryable.
+    """
+    cause = exc.__cause__
+    if isinstance(cause, OSError) and not isinstance(cause, TimeoutError):
+        raise exc
 
 
 def _finite(value: float) -> float:

@@ -1,0 +1,108 @@
+"""Task jobs end to end: a real local cluster runs a command on a leased worker.
+
+The path under test: ``SubmitJob`` -> store (PENDING) -> orchestrator ->
+market (advertise, offer, accept) -> ``Worker.DispatchJob`` -> job manager
+(process, pipes, log forwarder) -> ``AppendLogs`` / ``ReportJobStatus`` ->
+store -> ``GetJob`` / ``GetLogs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hypha.v1 import common_pb2
+from tests.e2e import E2ECluster
+from tests.helpers import cli
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2ECluster]:
+    c = E2ECluster(tmp_path_factory.mktemp("task-e2e"), workers=2)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def task_toml(script: str, *, max_attempts: int = 1, name: str = "task") -> str:
+    return "\n".join(
+        [
+            "[job]",
+            f"name = {json.dumps(name)}",
+            f"command = {json.dumps(sys.executable)}",
+            f"args = {json.dumps(['-c', script])}",
+            "timeout_s = 60",
+            "[job.retry]",
+            f"max_attempts = {max_attempts}",
+            "backoff_base_s = 0.2",
+            "backoff_cap_s = 0.5",
+        ]
+    )
+
+
+async def test_task_job_runs_on_a_worker_and_its_logs_come_back(cluster: E2ECluster) -> None:
+    script = "import sys; print('hello from the task'); print('a warning', file=sys.stderr)"
+    job_id = await cluster.submit(task_toml(script, name="hello"))
+
+    job = await cluster.wait(job_id, timeout_s=60)
+
+    assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.reason
+    assert job.exit_code == 0
+    assert job.attempt == 1
+    worker = cluster.peer_of(job.workers[0])
+    assert worker.startswith("worker")
+    lines = await cluster.log_lines(job_id)
+    by_stream = {(line.stream, line.line) for line in lines}
+    assert ("stdout", "hello from the task") in by_stream
+    assert ("stderr", "a warning") in by_stream
+    assert all(line.worker_id == job.workers[0] for line in lines)
+
+
+async def test_failing_task_is_retried_per_policy_then_fails_with_its_exit_code(
+    cluster: E2ECluster, tmp_path: Path
+) -> None:
+    script = "import sys; print('attempt'); sys.exit(3)"
+    job_id = await cluster.submit(task_toml(script, max_attempts=2, name="fails"))
+
+    job = await cluster.wait(job_id, timeout_s=60)
+
+    assert job.state == common_pb2.JOB_STATE_FAILED, job.reason
+    assert job.attempt == 2
+    assert job.exit_code == 3
+    assert "no retries left" in job.reason
+    attempts = {line.attempt for line in await cluster.log_lines(job_id) if line.line == "attempt"}
+    assert attempts == {1, 2}
+
+
+async def test_cli_submits_a_task_watches_it_to_success_and_prints_its_logs(
+    cluster: E2ECluster, tmp_path: Path
+) -> None:
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(task_toml("print('via the cli')", name="cli"))
+    env = {**os.environ, "HYPHA_STATE_DIR": str(cluster.cluster.state_dir)}
+
+    def hypha(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*cli("hypha"), *args], capture_output=True, text=True, env=env, timeout=90, check=False
+        )
+
+    submit = await asyncio.to_thread(hypha, "submit", str(job_file), "--watch", "--output", "json")
+
+    assert submit.returncode == 0, submit.stderr
+    events = [json.loads(line) for line in submit.stdout.splitlines()]
+    job_id = events[0]["job_id"]
+    assert events[-1]["job"]["state"] == "succeeded"
+    logs = await asyncio.to_thread(hypha, "logs", job_id)
+    assert logs.returncode == 0, logs.stderr
+    assert "via the cli" in logs.stdout.splitlines()
