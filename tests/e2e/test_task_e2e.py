@@ -106,3 +106,42 @@ async def test_cli_submits_a_task_watches_it_to_success_and_prints_its_logs(
     logs = await asyncio.to_thread(hypha, "logs", job_id)
     assert logs.returncode == 0, logs.stderr
     assert "via the cli" in logs.stdout.splitlines()
+
+
+async def test_cancel_stops_the_task_and_frees_the_worker(cluster: E2ECluster) -> None:
+    from hypha.net.channel import secure_channel
+    from hypha.net.tls import PathsTls, TlsMaterial
+    from hypha.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+    from tests.helpers import eventually
+
+    script = "import time; print('started', flush=True); time.sleep(120)"
+    job_id = await cluster.submit(task_toml(script, name="long"))
+    job = await cluster.wait(job_id, timeout_s=60, states=frozenset({common_pb2.JOB_STATE_RUNNING}))
+    worker = cluster.node(cluster.peer_of(job.workers[0]))
+
+    async with cluster.channel() as channel:
+        await scheduler_pb2_grpc.SchedulerStub(channel).CancelJob(
+            scheduler_pb2.CancelJobRequest(job_id=job_id), timeout=10
+        )
+    job = await cluster.wait(job_id, timeout_s=30)
+    assert job.state == common_pb2.JOB_STATE_CANCELLED, job.reason
+
+    admin = TlsMaterial.load(PathsTls.from_certs_dir(cluster.pki_dir, "admin"))
+    scheduler_id = cluster.node("scheduler")["peer_id"]
+
+    async def freed() -> bool:
+        async with secure_channel(admin, worker["address"]) as channel:
+            status = await worker_pb2_grpc.WorkerStub(channel).GetStatus(
+                worker_pb2.GetWorkerStatusRequest(), timeout=5
+            )
+        running = [
+            j for j in status.jobs if j.job_id == job_id and j.state == worker_pb2.EXECUTION_STATE_RUNNING
+        ]
+        held = [
+            lease
+            for lease in status.leases
+            if lease.scheduler_id == scheduler_id and lease.state == common_pb2.LEASE_STATE_ACTIVE
+        ]
+        return not running and not held
+
+    await eventually(freed, timeout=20, message="the worker's execution stopped and its lease released")
