@@ -152,9 +152,11 @@ class Supervisor:
         self.cluster = cluster
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.info: dict[str, dict[str, Any]] = {}
+        self._started_with: dict[str, tuple[str, list[str]]] = {}
         self._stopping = False
 
     def start_node(self, name: str, role: str, overrides: list[str]) -> dict[str, Any]:
+        self._started_with[name] = (role, list(overrides))
         cluster = self.cluster
         config = cluster.ensure_config(name, role)
         logs = cluster.state_dir / "logs"
@@ -243,6 +245,14 @@ class Supervisor:
         tmp = self.cluster.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(self.cluster.state_file)
+
+    def restart_node(self, name: str) -> dict[str, Any]:
+        """Stop ``name`` (if it still runs) and start it again as before; its state dir is kept."""
+        role, overrides = self._started_with[name]
+        stop_process(self.procs[name])
+        info = self.start_node(name, role, overrides)
+        self.write_state()
+        return info
 
     def stop_all(self) -> None:
         if self._stopping:

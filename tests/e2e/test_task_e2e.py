@@ -145,3 +145,21 @@ async def test_cancel_stops_the_task_and_frees_the_worker(cluster: E2ECluster) -
         return not running and not held
 
     await eventually(freed, timeout=20, message="the worker's execution stopped and its lease released")
+
+
+async def test_restarted_scheduler_keeps_job_history_and_fails_what_was_running(cluster: E2ECluster) -> None:
+    done_id = await cluster.submit(task_toml("print('quick')", name="before-restart"))
+    done = await cluster.wait(done_id, timeout_s=60)
+    assert done.state == common_pb2.JOB_STATE_SUCCEEDED, done.reason
+    running_id = await cluster.submit(task_toml("import time; time.sleep(120)", name="cut-short"))
+    await cluster.wait(running_id, timeout_s=60, states=frozenset({common_pb2.JOB_STATE_RUNNING}))
+
+    cluster.kill("scheduler")
+    cluster.supervisor.restart_node("scheduler")
+
+    after = await cluster.get(done_id)
+    assert after.state == common_pb2.JOB_STATE_SUCCEEDED and after.exit_code == 0
+    # A running task with no attempts left fails with the documented reason (store.py, "restart").
+    cut = await cluster.wait(running_id, timeout_s=30)
+    assert cut.state == common_pb2.JOB_STATE_FAILED, cut.reason
+    assert "restart" in cut.reason
