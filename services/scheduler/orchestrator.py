@@ -54,6 +54,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from hypha.dht.node import DhtNode
 from hypha.dht.records import ProviderRecord, RecordVerifier
@@ -80,6 +81,7 @@ from hypha.scheduler.tasks import Outcome, RetryPolicy
 from hypha.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("hypha.scheduler")
 
 RESULTS_DIR = "results"
 #: Longest pause of a queued task between two attempts to find a worker.
@@ -483,6 +485,14 @@ class Orchestrator:
         run.task = asyncio.create_task(self._drive(run, job), name=f"job {job.job_id}")
 
     async def _drive(self, run: _Run, job: JobRecord) -> None:
+        # One span covers the whole job; the gRPC calls made for it (leases, dispatch, result
+        # pulls) are its children, so a trace shows a job end to end.
+        kind = "diloco" if isinstance(run, _DilocoRun) else "task"
+        attributes = {"hypha.job_id": run.job_id, "hypha.job_kind": kind}
+        with _tracer.start_as_current_span("hypha.job", attributes=attributes):
+            await self._drive_job(run, job)
+
+    async def _drive_job(self, run: _Run, job: JobRecord) -> None:
         try:
             if isinstance(run, _DilocoRun):
                 await self._run_diloco(run, job)

@@ -22,6 +22,7 @@ from hypha.scheduler.tasks import Outcome
 from hypha.tensors.chunks import split_payload
 from hypha.v1 import common_pb2, scheduler_pb2, worker_pb2
 from tests.conftest import Pki
+from tests.helpers import eventually
 
 TASK = common_pb2.JobSpec(name="t", task=common_pb2.TaskJobSpec(command="true"))
 
@@ -139,3 +140,26 @@ async def test_log_lines_are_attributed_to_the_authenticated_caller_whatever_the
 
     assert ack.lines == 3
     assert {(who, line.worker_id) for who, line in jobs.lines} == {(worker.peer_id, worker.peer_id)}
+
+
+async def test_a_job_is_traced_as_one_span(orchestrator: Orchestrator, store: JobStore) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    job = await store.create(TASK)
+
+    await orchestrator.submit(job)  # this market cannot allocate: the job fails
+    await eventually(lambda: any(s.name == "hypha.job" for s in exporter.get_finished_spans()), timeout=10)
+
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "hypha.job"]
+    assert span.attributes is not None
+    assert span.attributes["hypha.job_id"] == job.job_id
+    assert span.attributes["hypha.job_kind"] == "task"
