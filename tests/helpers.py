@@ -54,7 +54,14 @@ def wait_for_file(path: Path, timeout: float, proc: subprocess.Popen[bytes] | No
 class NodeProcess:
     """A role's CLI run as a real subprocess, ready when it writes its ready file."""
 
-    def __init__(self, argv: list[str], workdir: Path, name: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        workdir: Path,
+        name: str,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
         self.ready_file = workdir / f"{name}.ready"
         self.log_path = workdir / f"{name}.log"
         self.ready_file.unlink(missing_ok=True)
@@ -62,6 +69,7 @@ class NodeProcess:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
             [*argv, "--ready-file", str(self.ready_file)],
+            cwd=cwd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=full_env,

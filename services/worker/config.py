@@ -60,7 +60,7 @@ class WorkerSection(BaseModel):
     work_dir: Path | None = Field(
         None,
         description="Where job work dirs go (its free disk space is the storage sold); "
-        "default: STATE_DIR/work, or ./work without a state dir.",
+        "default: STATE_DIR/work, or ./work-NAME without a state dir.",
     )
     resources: ResourceValues = Field(
         default_factory=ResourceValues,
@@ -121,4 +121,7 @@ class WorkerSettings(NodeSettings):
     def work_dir(self) -> Path:
         if self.worker.work_dir is not None:
             return self.worker.work_dir
-        return (self.state_dir or Path.cwd()) / "work"
+        if self.state_dir is not None:
+            return self.state_dir / "work"
+        # Named per node, so several workers started in one directory never share job dirs.
+        return Path.cwd() / f"work-{self.name}"
