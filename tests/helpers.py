@@ -39,6 +39,16 @@ async def eventually(
         await asyncio.sleep(interval)
 
 
+class FakeClock:
+    """A clock a test moves by hand (``clock.now += 5``); pass it where code takes ``clock=``."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def wait_for_file(path: Path, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> str:
     """Block until ``path`` exists (a ready file), or the process dies, or timeout."""
     deadline = time.monotonic() + timeout

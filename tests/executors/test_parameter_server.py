@@ -15,22 +15,11 @@ from hypha.worker.executors import models, training
 from hypha.worker.executors.models import ModelKind
 from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
 from tests.executors import FakeNetwork, FakeReceived, diloco_spec
+from tests.helpers import FakeClock
 
 TRAINERS = ("t0", "t1", "t2")
+
 OUTER_LR, MOMENTUM = 0.5, 0.8
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +96,7 @@ async def test_the_run_loop_matches_torch_sgd_nesterov_and_publishes_the_result(
     tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
 ) -> None:
     network = _network(tmp_path, vit_dir)
-    ps = _server(network, FakeClock())
+    ps = _server(network, FakeClock(50.0))
     task = asyncio.ensure_future(ps.run())
     for r in range(3):
         for i, peer in reversed(list(enumerate(TRAINERS))):  # arrival order does not matter
@@ -138,13 +127,13 @@ async def test_the_run_loop_matches_torch_sgd_nesterov_and_publishes_the_result(
 async def test_a_restarted_server_resumes_identical_state_and_republishes(
     tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
 ) -> None:
-    uninterrupted = _server(_network(tmp_path / "a", vit_dir), FakeClock())
+    uninterrupted = _server(_network(tmp_path / "a", vit_dir), FakeClock(50.0))
     await uninterrupted.start()
     for r in range(3):
         await _feed_round(uninterrupted, theta0, r)
 
     network = _network(tmp_path / "b", vit_dir)
-    first = _server(network, FakeClock())
+    first = _server(network, FakeClock(50.0))
     await first.start()
     for r in range(2):
         await _feed_round(first, theta0, r)
@@ -152,7 +141,7 @@ async def test_a_restarted_server_resumes_identical_state_and_republishes(
     await first.handle(_received("t0", 2, SAMPLES[2]["t0"], _delta(theta0, 20)))
     network.published.clear()
 
-    second = _server(network, FakeClock())
+    second = _server(network, FakeClock(50.0))
     core = await second.start()
 
     assert first.core is not None
@@ -172,7 +161,7 @@ async def test_a_restarted_server_resumes_identical_state_and_republishes(
 async def test_a_missing_trainer_round_completes_by_quorum_at_the_deadline(
     tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
 ) -> None:
-    clock = FakeClock()
+    clock = FakeClock(50.0)
     network = _network(tmp_path, vit_dir, quorum=0.6, round_timeout_s=20.0)
     ps = _server(network, clock)
     await ps.start()
@@ -196,7 +185,7 @@ async def test_a_missing_trainer_round_completes_by_quorum_at_the_deadline(
 async def test_duplicate_unknown_and_malformed_deltas_are_dropped(
     tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
 ) -> None:
-    ps = _server(_network(tmp_path, vit_dir), FakeClock())
+    ps = _server(_network(tmp_path, vit_dir), FakeClock(50.0))
     await ps.start()
     assert await ps.handle(_received("t0", 0, 10, _delta(theta0, 1))) is not None
 
@@ -216,7 +205,7 @@ async def test_a_replacement_trainer_named_by_the_job_takes_the_lost_ones_place(
     tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
 ) -> None:
     network = _network(tmp_path, vit_dir)
-    ps = _server(network, FakeClock())
+    ps = _server(network, FakeClock(50.0))
     await ps.start()
     await ps.handle(_received("t0", 0, 10, _delta(theta0, 1)))
     await ps.handle(_received("t1", 0, 10, _delta(theta0, 2)))
@@ -233,7 +222,7 @@ async def test_a_replacement_trainer_named_by_the_job_takes_the_lost_ones_place(
 async def test_a_job_without_rounds_fails_with_a_status(tmp_path: Path, vit_dir: Path) -> None:
     network = _network(tmp_path, vit_dir, rounds=0)
 
-    assert await _server(network, FakeClock()).run() == 1
+    assert await _server(network, FakeClock(50.0)).run() == 1
     assert network.statuses["ps"][0][0] == "failed" and "rounds" in network.statuses["ps"][0][1]
 
 
@@ -246,7 +235,7 @@ async def test_the_result_carries_the_preprocessor_files_beside_the_model(
     network.preprocessor_dir.mkdir()
     (network.preprocessor_dir / "preprocessor_config.json").write_text('{"do_resize": false}')
     (network.preprocessor_dir / "config.json").write_text('{"not": "the model config"}')
-    ps = _server(network, FakeClock())
+    ps = _server(network, FakeClock(50.0))
     await ps.start()
     for i, peer in enumerate(TRAINERS):
         await ps.handle(_received(peer, 0, 8, _delta(theta0, i)))

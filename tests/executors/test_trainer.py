@@ -19,22 +19,9 @@ from hypha.worker.executors.diloco_trainer import DilocoTrainer, TrainerOptions
 from hypha.worker.executors.models import ModelKind
 from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
 from tests.executors import FakeBridge, FakeNetwork, diloco_spec, sync_after_first, sync_every, write_slices
-from tests.helpers import eventually
+from tests.helpers import FakeClock, eventually
 
 OUTER_LR, MOMENTUM = 0.7, 0.9
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +153,7 @@ async def test_late_trainer_pulls_global_and_a_round_completes_by_quorum_without
     network = _network(tmp_path, gpt2_dir, slices, ("t0", "t1"), rounds=3, quorum=0.5, round_timeout_s=30.0)
     network.policy = sync_every({"t0": 2, "t1": 3})
     network.start_rounds["t1"] = 1
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     ps = _server(network, clock)
     late = _trainer(network, "t1")
     job = asyncio.gather(ps.run(), _trainer(network, "t0").run(), late.run())

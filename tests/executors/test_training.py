@@ -19,11 +19,6 @@ from hypha.worker.executors.models import ModelKind
 from hypha.worker.executors.training import BatchStream, InnerSettings
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
-
-
 def _spec(kind: ModelKind, **fields: object) -> common_pb2.ModelSpec:
     types = {
         ModelKind.CAUSAL_LM: common_pb2.MODEL_TYPE_CAUSAL_LM,
