@@ -2,20 +2,23 @@
 and stepped with Nesterov momentum, beside the bare torch ops doing the same arithmetic, in the
 same run.
 
-    python benchmarks/aggregate.py [--quick]
+    python benchmarks/aggregate.py [--quick] [--sweep [--sizes 2,4,8,16]]
 
 Ours: one round through ``ParameterServerCore`` as the parameter-server executor runs it:
-``add_delta`` for each of the 4 workers (names and shapes checked, NaN/inf refused), then
-``maybe_complete`` (weighted average in worker order, ``NesterovOuter.step``, a snapshot of
-θ_global for publishing). Baseline: the same arithmetic written as plain per-tensor torch ops
-(weighted sum with ``add_(alpha=w)``, ``buf = m*buf + g``, ``θ -= lr*(g + m*buf)``), no checks
-and no snapshot. The model is GPT-2-small-shaped (3 blocks of 768 wide plus an embedding),
-about 25.1M fp32 parameters in 40 tensors.
+``add_delta`` for each of the 4 workers (names and shapes checked), then ``maybe_complete``
+(``NesterovOuter.step_average``: the weighted average accumulated in worker order straight into a
+reused gradient buffer, tensor by tensor, each summed while still in cache to find NaN/inf; then
+the Nesterov step; a snapshot of θ_global for publishing). Baseline: the same arithmetic written
+as plain per-tensor torch ops (weighted sum with ``add_(alpha=w)``, ``buf = m*buf + g``,
+``θ -= lr*(g + m*buf)``), no checks and no snapshot. The model is GPT-2-small-shaped (3 blocks
+of 768 wide plus an embedding), about 25.1M fp32 parameters in 40 tensors.
 
 figure = our median milliseconds per round; ratio = figure / baseline (lower is better; the
 difference is the safety checks and the published snapshot). ``unchecked_ms`` is our path with
-the NaN/inf scan of the deltas turned off (``reject_non_finite=False``), which shows what that
-scan costs. Results are compared, so the benchmark also fails loudly if they disagree.
+the NaN/inf check turned off (``reject_non_finite=False``), which shows what that check costs.
+Results are compared, so the benchmark also fails loudly if they disagree. ``--sweep`` measures
+a round at each worker count (default 2, 4, 8 and 16) and reports the series
+(``_common.report_sweep``).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Any
 
-from _common import median, report
+from _common import median, report, report_sweep, sizes_arg
 
 WORKERS = 4
+SWEEP = [2, 4, 8, 16]
 HIDDEN = 768
 LAYERS = 3
 VOCAB = 5000
@@ -54,24 +59,26 @@ def _shapes() -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def main(quick: bool) -> None:
+def measure(worker_count: int, repeats: int) -> dict[str, Any]:
+    """One PS round with ``worker_count`` deltas, ours (checked and unchecked) and the bare ops."""
     import torch
 
     from hypha.diloco.outer import NesterovOuter
     from hypha.diloco.rounds import ParameterServerCore
+    from hypha.memtune import tune_malloc
 
+    tune_malloc()  # as the parameter server's process does (its BridgeClient); the bare ops share it
     torch.set_num_threads(int(os.environ.get("HYPHA_TORCH_THREADS", os.cpu_count() or 1)))
     gen = torch.Generator().manual_seed(0)
     shapes = _shapes()
     theta0 = {n: torch.randn(s, generator=gen) * 0.02 for n, s in shapes.items()}
     params = sum(t.numel() for t in theta0.values())
-    workers = [f"w{i}" for i in range(WORKERS)]
-    samples = [64, 128, 96, 32]
+    workers = [f"w{i}" for i in range(worker_count)]
+    samples = [(64, 128, 96, 32)[i % 4] for i in range(worker_count)]
     deltas = [{n: torch.randn(s, generator=gen) * 1e-3 for n, s in shapes.items()} for _ in workers]
-    repeats = 3 if quick else 10
 
     core = ParameterServerCore(NesterovOuter(theta0, LR, MOMENTUM), workers, 60.0, 1.0)
-    # The same without the NaN/inf scan of each delta, to show what that check costs.
+    # The same without the NaN/inf check, to show what that check costs.
     unchecked = ParameterServerCore(
         NesterovOuter(theta0, LR, MOMENTUM), workers, 60.0, 1.0, reject_non_finite=False
     )
@@ -119,24 +126,35 @@ def main(quick: bool) -> None:
     worst = max(float((final[n] - t).abs().max()) for n, t in zip(names, bare_theta, strict=True))
     assert worst < 1e-5, f"ours and the bare ops disagree by {worst}"
     ours_ms, bare_ms = median(ours_s) * 1e3, median(bare_s) * 1e3
-    report(
-        "aggregate",
-        ours_ms,
-        "ms/round",
-        bare_ms,
-        ours_ms / bare_ms,
+    return dict(
+        workers=worker_count,
+        figure=round(ours_ms, 3),
+        baseline=round(bare_ms, 3),
+        ratio=round(ours_ms / bare_ms, 4),
         ours_ms_all=[round(x * 1e3, 1) for x in ours_s],
         bare_ms_all=[round(x * 1e3, 1) for x in bare_s],
         unchecked_ms=round(median(unchecked_s) * 1e3, 3),
         unchecked_ratio=round(median(unchecked_s) / median(bare_s), 4),
-        workers=WORKERS,
         parameters=params,
         threads=torch.get_num_threads(),
         max_abs_difference=worst,
     )
 
 
+def main(quick: bool, sweep: list[int] | None) -> None:
+    repeats = 3 if quick else 10
+    if sweep:
+        report_sweep("aggregate", "ms/round", "workers", [measure(n, repeats) for n in sweep])
+        return
+    point = measure(WORKERS, repeats)
+    figure, base, ratio = point.pop("figure"), point.pop("baseline"), point.pop("ratio")
+    report("aggregate", figure, "ms/round", base, ratio, **point)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    main(parser.parse_args().quick)
+    parser.add_argument("--sweep", action="store_true", help="a round at several worker counts")
+    parser.add_argument("--sizes", type=sizes_arg, default=SWEEP, help="worker counts for --sweep")
+    args = parser.parse_args()
+    main(args.quick, args.sizes if args.sweep else None)

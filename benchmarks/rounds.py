@@ -5,7 +5,7 @@ one arrives, and everyone who arrived earlier idles until then. We measure
 the fraction of worker time spent idle at sync points with the scheduler's
 performance-aware planner (``hypha.scheduler.rounds.RoundPlanner``: each
 worker is told how many more batches to run so all arrive together) against
-the baseline of equal batch counts per worker (``EqualBatchPlanner``), both
+the baseline of equal batch counts per worker (``hypha.testing.rounds_sim.EqualBatchPlanner``), both
 on the same simulated workers in the same run. The simulation is a
 discrete-event one driving the real planner code: every batch is reported
 to the planner and its directive obeyed; batch durations carry 10% noise.
@@ -24,14 +24,8 @@ from typing import Any
 
 from _common import median, report
 
-from hypha.scheduler.rounds import (
-    EqualBatchPlanner,
-    Planner,
-    RoundPlanner,
-    SimWorker,
-    heterogeneous_workers,
-    simulate,
-)
+from hypha.scheduler.rounds import Planner, RoundPlanner
+from hypha.testing.rounds_sim import EqualBatchPlanner, SimWorker, heterogeneous_workers, simulate
 
 SAMPLES_PER_ROUND = 4096
 

@@ -49,10 +49,12 @@ SAMPLES_PER_SLICE = 4
 
 async def _serve_ours(pki_dir: Path, data_dir: Path) -> None:
     from hypha.data.servicer import DataNodeServicer, DatasetCatalog
+    from hypha.memtune import tune_malloc
     from hypha.net.server import NodeServer
     from hypha.net.tls import PathsTls, TlsMaterial
     from hypha.v1 import data_pb2_grpc
 
+    tune_malloc()  # as the data node process does (hypha.cli.node)
     tls = TlsMaterial.load(PathsTls.from_certs_dir(pki_dir, "data"))
     servicer = DataNodeServicer(DatasetCatalog(data_dir))
     server = NodeServer(
@@ -67,6 +69,9 @@ async def _serve_ours(pki_dir: Path, data_dir: Path) -> None:
 
 
 def _serve_raw(pki_dir: Path, data_dir: Path) -> None:
+    from hypha.memtune import tune_malloc
+
+    tune_malloc()  # the same allocator settings as ours, so the floor stays a floor
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(pki_dir / "data-cert.pem", pki_dir / "data-key.pem")
     ctx.load_verify_locations(pki_dir / "data-trust.pem")
@@ -135,7 +140,7 @@ class Child:
 
 
 async def _ours_round(channels: list[Any], plan: list[list[int]]) -> float:
-    from hypha.tensors.chunks import ChunkAssembler
+    from hypha.tensors.chunks import ChunkAssembler, feed_off_loop
     from hypha.v1 import data_pb2, data_pb2_grpc
 
     async def reader(channel: Any, indices: list[int]) -> int:
@@ -146,7 +151,7 @@ async def _ours_round(channels: list[Any], plan: list[list[int]]) -> float:
             async for chunk in stub.StreamSlice(
                 data_pb2.StreamSliceRequest(dataset=DATASET, index=index), timeout=60
             ):
-                assembler.feed(chunk)
+                await feed_off_loop(assembler, chunk)  # as the worker's SliceFetcher does
             total += len(assembler.finish())
         return total
 
@@ -199,9 +204,11 @@ def _plan(readers: int, slices: int, per_reader: int) -> list[list[int]]:
 async def main(quick: bool) -> None:
     import torch
 
-    from hypha.data.prepare import write_dataset
+    from hypha.datasets.prepare import write_dataset
+    from hypha.memtune import tune_malloc
     from hypha.net.channel import secure_channel
 
+    tune_malloc()  # the readers stand for a worker node process (hypha.cli.node)
     slices = 8 if quick else 16
     per_reader = 8 if quick else 16
     rounds = 5 if quick else 10

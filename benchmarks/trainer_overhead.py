@@ -21,7 +21,10 @@ Baseline: a plain loop (zero_grad, forward, backward, step) over the same batche
 slice files, timed from the end of its first batch to the end of its last.
 
 figure = ``real`` samples/s (median over repeats); ratio = figure / baseline (target >= 0.95,
-i.e. <= 5 % overhead). ``steady_ratio`` compares the median batch interval alone (no syncs).
+i.e. <= 5 % overhead). ``steady_ratio`` compares the median batch interval alone (no syncs);
+``paired_ratio`` is the median of each repeat's own real/bare ratio (less swayed by load drift).
+``--timings FILE`` runs each real trainer through ``_bridge_timings.py`` (time per bridge call,
+train step and checkpoint); ``--profile DIR`` runs one real trainer under pyinstrument.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, median, report
+from _common import median, report
 
 BATCH = 16
 SAMPLES_PER_SLICE = 64  # the data node's default
@@ -61,20 +64,32 @@ async def _run_fake(network: Any) -> tuple[float, float]:
     return _throughput([t for peer, t, _ in network.progress_times if peer == "t0"], BATCH)
 
 
-async def _run_real(network: Any) -> tuple[float, float]:
+#: ``--timings FILE``: each real run's trainer through ``_bridge_timings.py``, appending to FILE.
+TIMINGS: Path | None = None
+
+
+def _trainer_argv() -> list[str]:
+    if TIMINGS is not None:
+        return [str(Path(__file__).with_name("_bridge_timings.py")), str(TIMINGS)]
+    return ["-m", "hypha.worker.executors.diloco_trainer"]
+
+
+async def _run_real(network: Any, profile: Path | None = None) -> tuple[float, float]:
+    from hypha.testing.real_bridge import executor_env, start_real_bridge
     from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
-    from tests.executors import executor_env, start_real_bridge
 
     bridge, record, work_dir = await start_real_bridge(network, "t0")
     ps = ParameterServer(network.bridge("ps"), options=ServerOptions(poll_s=0.05, linger_s=0.0))
     server = asyncio.ensure_future(ps.run())
     try:
+        # --profile: the trainer's process under pyinstrument (its text report into that dir).
+        wrap = ["-m", "pyinstrument", "-o", str(profile / "trainer.txt")] if profile else []
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
-            "-m",
-            "hypha.worker.executors.diloco_trainer",
+            *wrap,
+            *_trainer_argv(),
             cwd=work_dir,
-            env={**executor_env(bridge.socket_path, work_dir), "PYTHONPATH": str(ROOT)},
+            env=executor_env(bridge.socket_path, work_dir),
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )
@@ -88,19 +103,21 @@ async def _run_real(network: Any) -> tuple[float, float]:
 
 
 def _run_bare(model_dir: Path, slices: list[Path], batches: int, lr: float) -> tuple[float, float]:
+    from hypha import models
+    from hypha.datasets.format import load_slice_file
     from hypha.v1 import common_pb2
-    from hypha.worker.executors import models, training
+    from hypha.worker.executors import training
 
     model = models.build_model(common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_CAUSAL_LM), model_dir)
     optimizer = training.make_inner_optimizer(
         model, training.InnerSettings(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8)
     )
-    stream = training.BatchStream(BATCH, training.MODEL_INPUTS[models.ModelKind.CAUSAL_LM])
+    stream = training.BatchStream(BATCH, models.MODEL_INPUTS[models.ModelKind.CAUSAL_LM])
     data: list[dict[str, Any]] = []
     cursor = 0
     while len(data) < batches:
         if (batch := stream.next_batch()) is None:
-            stream.add_slice(cursor, training.load_slice(slices[cursor % len(slices)]))
+            stream.add_slice(cursor, load_slice_file(slices[cursor % len(slices)]))
             cursor += 1
             continue
         data.append(batch)
@@ -114,12 +131,15 @@ def _run_bare(model_dir: Path, slices: list[Path], batches: int, lr: float) -> t
     return _throughput(times, BATCH)
 
 
-def main(quick: bool) -> None:
+def main(quick: bool, profile: Path | None = None) -> None:
     import torch
 
-    from hypha.data import synthetic
-    from hypha.worker.executors import models
-    from tests.executors import FakeNetwork, diloco_spec, sync_every, write_slices
+    from hypha import models
+    from hypha.datasets import synthetic
+    from hypha.memtune import tune_malloc
+    from hypha.testing.executors import FakeNetwork, diloco_spec, sync_every, write_slices
+
+    tune_malloc()  # the bare loop gets what the trainer's process gets (its BridgeClient)
 
     torch.set_num_threads(1)
     from transformers.utils import logging as hf_logging
@@ -151,6 +171,11 @@ def main(quick: bool) -> None:
             policy=sync_every({"t0": per_round}),
         )
 
+    if profile is not None:  # one real run with the trainer's process under pyinstrument
+        profile.mkdir(parents=True, exist_ok=True)
+        sps, step = asyncio.run(_run_real(network("profiled"), profile))
+        print(f"profiled real run: {sps:.1f} samples/s, batch {step * 1e3:.1f} ms; {profile / 'trainer.txt'}")
+        return
     real: list[tuple[float, float]] = []
     fake: list[tuple[float, float]] = []
     bare: list[tuple[float, float]] = []
@@ -172,6 +197,8 @@ def main(quick: bool) -> None:
         real_samples_per_s=[round(r[0], 1) for r in real],
         fake_samples_per_s=[round(f[0], 1) for f in fake],
         bare_samples_per_s=[round(b[0], 1) for b in bare],
+        # Each repeat runs bare, fake and real back to back: the ratio within a repeat shares its load.
+        paired_ratio=round(median([r[0] / b[0] for r, b in zip(real, bare, strict=True)]), 4),
         fake_ratio=round(fake_sps / bare_sps, 4),
         steady_ratio=round(bare_step / real_step, 4),
         batch_ms_real=round(real_step * 1e3, 2),
@@ -189,4 +216,12 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    main(parser.parse_args().quick)
+    parser.add_argument(
+        "--profile", type=Path, help="one real run under pyinstrument, its report into this dir"
+    )
+    parser.add_argument(
+        "--timings", type=Path, help="append the trainer's per-call timings of each real run here"
+    )
+    args = parser.parse_args()
+    TIMINGS = args.timings
+    main(args.quick, args.profile)

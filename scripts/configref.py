@@ -28,7 +28,9 @@ def render() -> str:
         "Each role's `init` writes the same file with your values filled in. Precedence, lowest to highest:",
         "the TOML file, `HYPHA_*` environment variables (nested keys joined with `__`, e.g.",
         "`HYPHA_NET__LISTEN`), command-line flags (`--listen`, `--log-level`, `--set KEY.PATH=VALUE`).",
-        "Relative paths in a file resolve against the file's directory.",
+        "Every path is made absolute when the settings load: a relative path in a file (or a default",
+        "path) resolves against the file's directory, one from the environment or a flag against the",
+        "working directory.",
         "",
     ]
     for prog, module_name, cls_name in ROLES:

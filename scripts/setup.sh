@@ -9,10 +9,23 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.hypha-installed
-want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
+want=$(cat scripts/setup.sh pyproject.toml services/*/pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
   .venv/bin/python -m pip install --quiet torch==2.13.0
-  .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+  # The core (libs/) and every role (services/<role>/), each its own
+  # distribution contributing to the ``hypha`` namespace package.
+  # editable_mode=compat: plain .pth path entries (no import hooks), which editors and type checkers follow.
+  .venv/bin/python -m pip install --quiet --config-settings editable_mode=compat -c constraints.txt -e '.[torch,dev]' \
+    -e services/gateway -e services/scheduler -e 'services/data[prepare]' \
+    -e services/worker -e 'services/client[demo]'
   echo "$want" > "$stamp"
+fi
+# System packages (bubblewrap for the workers' job sandbox, Chromium for the
+# status page's browser test): installed when we can (root with apt), else
+# named so you can install them yourself.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  bash scripts/system-deps.sh
+elif ! command -v bwrap >/dev/null 2>&1; then
+  echo "note: install bubblewrap (e.g. sudo apt-get install bubblewrap) or set worker.jobs.sandbox = \"none\"; workers refuse to start without a sandbox" >&2
 fi

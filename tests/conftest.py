@@ -1,51 +1,17 @@
-"""Fixtures shared by every test: a real PKI, and a guard against stray processes."""
+"""Fixtures shared by every test: a real PKI (``hypha.testing.pki``), and a guard against stray processes."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from hypha.net.tls import PathsTls, TlsMaterial
-from hypha.pki import certs
+from hypha.testing.pki import ROLES, Pki, make_pki
+
+__all__ = ["ROLES", "Pki", "make_pki"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-ROLES = ("gateway", "scheduler", "worker", "data", "client", "admin")
-
-
-@dataclass
-class Pki:
-    """A root CA, one org CA under it, and one node certificate per role (named after the role)."""
-
-    dir: Path
-    root_cert: Path
-    root_key: Path
-    org_cert: Path
-    org_key: Path
-
-    def paths(self, name: str) -> PathsTls:
-        return PathsTls.from_certs_dir(self.dir, name)
-
-    def tls(self, name: str, crl: Path | None = None) -> TlsMaterial:
-        paths = self.paths(name)
-        return TlsMaterial.load(PathsTls(paths.cert, paths.key, paths.trust, crl))
-
-    def issue(self, role: str, name: str, **kwargs: object) -> TlsMaterial:
-        certs.make_node(self.org_cert, self.org_key, role, name, self.dir, **kwargs)  # type: ignore[arg-type]
-        return self.tls(name)
-
-
-def make_pki(base: Path) -> Pki:
-    base.mkdir(parents=True, exist_ok=True)
-    root_cert, root_key = certs.make_root(base)
-    org_cert, org_key = certs.make_org(root_cert, root_key, "acme", base)
-    for role in ROLES:
-        certs.make_node(org_cert, org_key, role, role, base)
-    return Pki(base, root_cert, root_key, org_cert, org_key)
 
 
 @pytest.fixture(scope="session")
@@ -69,3 +35,15 @@ def _no_stray_children() -> Iterator[None]:
     )
     leftovers = [line for line in out.stdout.splitlines() if "ps -o" not in line and line.strip()]
     assert not leftovers, f"stray child processes after the test session: {leftovers}"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _nothing_written_into_the_repository() -> Iterator[None]:
+    """Tests keep their files in tmp dirs: a default like ``./work-NAME`` must not land in the checkout."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    before = set(root.glob("work-*"))
+    yield
+    stray = sorted(str(p) for p in set(root.glob("work-*")) - before)
+    assert not stray, f"tests wrote into the repository: {stray}"

@@ -1,42 +1,19 @@
-"""Test helpers: waiting without sleeping, and real node processes."""
+"""Test helpers: a fake clock, and real node processes (``eventually`` is ``hypha.testing.polling``'s)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-T = TypeVar("T")
+from hypha.testing.polling import eventually
 
-
-async def eventually(
-    predicate: Callable[[], Any | Awaitable[Any]],
-    timeout: float = 10.0,
-    interval: float = 0.02,
-    message: str = "condition",
-) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    last_error: BaseException | None = None
-    while True:
-        try:
-            value = predicate()
-            if asyncio.iscoroutine(value) or isinstance(value, Awaitable):
-                value = await value
-            if value:
-                return value
-        except AssertionError as err:
-            last_error = err
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{message} not reached within {timeout}s") from last_error
-        await asyncio.sleep(interval)
+__all__ = ["FakeClock", "NodeProcess", "cli", "eventually", "wait_for_file"]
 
 
 class FakeClock:
@@ -79,7 +56,8 @@ class NodeProcess:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
             [*argv, "--ready-file", str(self.ready_file)],
-            cwd=cwd,
+            # The test's own directory: defaults such as ./work-NAME land there, not in the repository.
+            cwd=cwd or workdir,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=full_env,

@@ -13,21 +13,24 @@ import asyncio
 import logging
 from typing import Any, Protocol
 
+from hypha.net.addresses import InterfaceFinder, advertised_addresses, host_addresses
+from hypha.net.options import DEFAULT_MAX_CONCURRENT_RPCS, DEFAULT_MAX_RPCS_PER_PEER
 from hypha.net.server import NodeServer, ServiceBinding
 from hypha.net.telemetry import shutdown_tracing
 from hypha.net.tls import TlsMaterial
+from hypha.service import Service
 
 log = logging.getLogger(__name__)
 
 
 class Part(Protocol):
-    """A long-lived background part of a node."""
+    """A long-lived background part of a node (usually a ``hypha.service.Service``)."""
 
-    async def start(self) -> None: ...
+    async def start(self) -> object: ...
     async def stop(self) -> None: ...
 
 
-class Node:
+class Node(Service):
     def __init__(
         self,
         name: str,
@@ -39,7 +42,12 @@ class Node:
         keepalive_s: float,
         grace_s: float = 5.0,
         external_addresses: list[str] | None = None,
+        max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
+        max_rpcs_per_peer: int = DEFAULT_MAX_RPCS_PER_PEER,
+        find_interfaces: InterfaceFinder = host_addresses,
     ) -> None:
+        """``find_interfaces`` lists this host's addresses, for a wildcard listener's
+        ``addresses`` (``hypha.net.addresses``; tests pass their own)."""
         self.name = name
         self.tls = tls
         self.server = NodeServer(
@@ -49,9 +57,14 @@ class Node:
             max_message_bytes=max_message_bytes,
             keepalive_s=keepalive_s,
             grace_s=grace_s,
+            max_concurrent_rpcs=max_concurrent_rpcs,
+            max_rpcs_per_peer=max_rpcs_per_peer,
         )
         self.parts: list[Part] = []
         self._external = list(external_addresses or [])
+        self._find_interfaces = find_interfaces
+        #: ``addresses`` once the port is bound (looking up the host's interfaces once).
+        self._advertised: list[str] | None = None
         self._stopped = asyncio.Event()
         self._stopping = False
 
@@ -65,8 +78,17 @@ class Node:
 
     @property
     def addresses(self) -> list[str]:
-        """Where peers can call this node directly."""
-        return self._external or [self.server.address]
+        """Where peers can call this node directly: ``net.external_addresses`` if set, else the
+        bound address, or for a wildcard listener this host's non-loopback addresses (``address``
+        stays the loopback one: it is what a supervisor on this host dials)."""
+        if self._advertised is not None:
+            return list(self._advertised)
+        advertised = advertised_addresses(
+            self.server.listen, self.server.port, self._external, find_interfaces=self._find_interfaces
+        )
+        if self.server.port:  # bound: the answer no longer changes
+            self._advertised = advertised
+        return advertised
 
     def ready_info(self) -> dict[str, Any]:
         """What the ready line (and ready file) tells supervisors about this node."""
@@ -111,13 +133,3 @@ class Node:
             shutdown_tracing()
         finally:
             self._stopped.set()
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
-
-    async def __aenter__(self) -> Node:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()

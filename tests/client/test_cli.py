@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from hypha.client import cli
-from hypha.scheduler.jobfile import parse_job_toml
+from hypha.jobfile import parse_job_toml
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.store import LogEntry, WorkerMetric
 from tests.conftest import Pki
-from tests.scheduler.test_api import DILOCO_TOML, TASK_TOML, Served, serve_api
+from tests.scheduler.test_servicer import DILOCO_TOML, TASK_TOML, Served, serve_api
 
 
 @pytest.fixture
@@ -207,3 +207,22 @@ async def test_a_local_cluster_from_hypha_up_is_found_without_flags(
     code, out, err = await hypha(None, pki, tmp_path, "status")
     assert code == 0, err
     assert out.strip() == "no jobs"
+
+
+async def test_scale_asks_the_scheduler_and_checks_the_count_first(
+    served: Served, pki: Pki, tmp_path: Path
+) -> None:
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(DILOCO_TOML)
+    code, out, _ = await hypha(served, pki, tmp_path, "--output", "json", "submit", str(job_file))
+    job_id = json.loads(out)["job_id"]
+    await served.store.transition(job_id, JobState.ALLOCATING)  # only an active job scales
+
+    code, out, _ = await hypha(served, pki, tmp_path, "scale", job_id, "--workers", "3")
+
+    assert code == 0 and out == f"scaling {job_id} to 3 trainers\n"
+    assert served.orchestrator.scaled == [(job_id, 3)]
+    code, _, err = await hypha(served, pki, tmp_path, "scale", job_id, "--workers", "0")
+    assert code == 2 and "at least 1" in err
+    code, _, err = await hypha(served, pki, tmp_path, "scale", "nope", "--workers", "2")
+    assert code == 1 and err.startswith("hypha: error: NOT_FOUND")

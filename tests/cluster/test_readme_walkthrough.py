@@ -1,189 +1,152 @@
-"""The README's by-hand walkthrough, command by command, as real processes.
+"""The README's by-hand walkthrough, run from the README's own command blocks.
 
-The README uses fixed example ports (7000, 7001, 7100, 7200); here every node
-binds port 0 and the addresses it reports in its ready file take their place,
-so the sequence runs anywhere. Everything else is the README's commands and
-flags: certificates, two federated gateways with the DHT, a data node with a
-prepared dataset, a scheduler, three workers, `hypha submit --watch`, `hypha
-fetch`.
+The blocks marked ``readme-test: certificates``, ``by-hand-mesh`` and
+``by-hand-jobs`` are read from README.md each run, so editing the README edits
+this test. What the test changes, and nothing more:
+
+- the README's example ports (7000, 7001, 7100, 7200) become free ports found
+  here, so the walkthrough runs beside anything else on the machine;
+- each ``run`` becomes a real background process whose ready file we wait for
+  (the README starts them with ``&`` or in another terminal);
+- ``submit`` gets ``--output json`` so the job id can be read, and ``JOB_ID``
+  becomes that id;
+- from the certificates block only the CA commands run (its other lines are
+  examples naming files that do not exist yet).
+
+``job.toml`` and the model under ``models/`` are made here: the README leaves
+both to the user.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.deploy.readme import marked_block
 from tests.helpers import NodeProcess, cli
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(300)
+
+PROGRAMS = ("hypha-certutil", "hypha-gateway", "hypha-scheduler", "hypha-worker", "hypha-data", "hypha")
 
 
-def sh(cwd: Path, *argv: str) -> str:
-    res = subprocess.run(list(argv), cwd=cwd, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, f"{argv}: {res.stderr[-2000:]}"
-    return res.stdout
+def commands(block: str) -> list[str]:
+    """The block's commands, one per entry: continuations joined, comments dropped, ``for`` loops unrolled."""
+    text = block.replace("\\\n", " ")
+    lines = [line.split(" # ")[0].split("  #")[0].strip() for line in text.splitlines()]
+    lines = [line for line in lines if line and not line.startswith("#")]
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        loop = re.match(r"for (\w+) in ([^;]+); do\s*(.*)$", lines[i])
+        if loop is None:
+            out.append(lines[i])
+            i += 1
+            continue
+        var, values, rest = loop.group(1), loop.group(2).split(), loop.group(3)
+        body: list[str] = []
+        if rest.endswith("; done"):  # for n in a b; do CMD; done
+            body = [rest.removesuffix("; done").strip()]
+            i += 1
+        else:  # multi-line: do \n CMD \n CMD & \n done
+            i += 1
+            while lines[i] != "done":
+                body.append(lines[i])
+                i += 1
+            i += 1
+        out += [cmd.replace(f"${var}", value) for value in values for cmd in body]
+    return out
+
+
+def free_port(kind: socket.SocketKind) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Walkthrough:
+    def __init__(self, cwd: Path) -> None:
+        self.cwd = cwd
+        self.nodes: list[NodeProcess] = []
+        self.ports = {
+            "7000": free_port(socket.SOCK_STREAM),
+            "7001": free_port(socket.SOCK_STREAM),
+            "7100": free_port(socket.SOCK_DGRAM),
+            "7200": free_port(socket.SOCK_STREAM),
+        }
+        self.job_id = ""
+
+    def argv(self, command: str) -> list[str]:
+        for example, port in self.ports.items():
+            command = re.sub(rf"(?<=[:=]){example}\b", str(port), command)
+        command = command.replace("JOB_ID", self.job_id)
+        argv = shlex.split(command.rstrip("&").strip())
+        assert argv[0] in PROGRAMS, f"the walkthrough runs only hypha programs: {command!r}"
+        return [*cli(argv[0]), *argv[1:]]
+
+    def do(self, command: str) -> str:
+        argv = self.argv(command)
+        if "run" in argv and "--config" in argv:  # a node: in the background, ready when it says so
+            name = Path(argv[argv.index("--config") + 1]).stem
+            node = NodeProcess(argv, self.cwd, name, cwd=self.cwd)
+            self.nodes.append(node)
+            node.wait_ready(60)
+            return ""
+        if "submit" in argv:
+            argv += ["--output", "json"]
+        res = subprocess.run(argv, cwd=self.cwd, capture_output=True, text=True, timeout=180)
+        assert res.returncode == 0, f"{command}: {res.stderr[-2000:]}"
+        if "submit" in argv:
+            self.job_id = json.loads(res.stdout.strip().splitlines()[0])["job_id"]
+            final = json.loads(res.stdout.strip().splitlines()[-1])
+            assert final["job"]["state"] == "succeeded", res.stdout[-2000:]
+        return res.stdout
+
+    def stop(self) -> None:
+        for node in reversed(self.nodes):
+            node.stop()
 
 
 def test_the_readme_walkthrough_trains_and_fetches_a_model(tmp_path: Path) -> None:
-    from hypha.worker.executors.models import save_tiny_model
+    from hypha.models import save_tiny_model
 
-    cert = cli("hypha-certutil")
-    ca = ["--ca-cert", "pki/acme-ca-cert.pem", "--ca-key", "pki/acme-ca-key.pem"]
-    sh(tmp_path, *cert, "root", "--out", "pki")
-    sh(
-        tmp_path,
-        *cert,
-        "org",
-        "--ca-cert",
-        "pki/root-ca-cert.pem",
-        "--ca-key",
-        "pki/root-ca-key.pem",
-        "--name",
-        "acme",
-        "--out",
-        "pki",
+    ca_commands = [
+        c for c in commands(marked_block("certificates")) if re.match(r"hypha-certutil (root|org)\b", c)
+    ]
+    assert len(ca_commands) == 2, ca_commands
+    mesh = commands(marked_block("by-hand-mesh"))
+    jobs = commands(marked_block("by-hand-jobs"))
+    save_tiny_model("causal-lm", tmp_path / "models" / "tiny", seed=0)
+    (tmp_path / "job.toml").write_text(
+        '[job]\nname = "walkthrough"\ndataset = "arithmetic"\nrounds = 2\nsamples_per_round = 64\n'
+        "min_batch_size = 8\nmax_batch_size = 8\n"
+        f'[job.model]\nlocal_path = {json.dumps(str(tmp_path / "models" / "tiny"))}\ntype = "causal-lm"\n'
+        "[job.resources]\nnum_workers = 2\n"
     )
-    for name, role in [
-        ("gw0", "gateway"),
-        ("gw1", "gateway"),
-        ("data0", "data"),
-        ("sched0", "scheduler"),
-        ("w0", "worker"),
-        ("w1", "worker"),
-        ("w2", "worker"),
-        ("client", "client"),
-    ]:
-        sh(tmp_path, *cert, "node", *ca, "--role", role, "--name", name, "--out", "pki")
-
-    nodes: list[NodeProcess] = []
-
-    def run(prog: str, name: str, *sets: str) -> dict[str, str]:
-        argv = [*cli(prog), "run", "--config", f"{name}.toml"]
-        for item in sets:
-            argv += ["--set", item]
-        node = NodeProcess(argv, tmp_path, name, cwd=tmp_path)
-        nodes.append(node)
-        return node.wait_ready(60)
-
+    walk = Walkthrough(tmp_path)
     try:
-        sh(
-            tmp_path,
-            *cli("hypha-gateway"),
-            "init",
-            "--name",
-            "gw0",
-            "--certs",
-            "pki",
-            "--out",
-            "gw0.toml",
-            "--listen",
-            "127.0.0.1:0",
-        )
-        sh(
-            tmp_path,
-            *cli("hypha-gateway"),
-            "init",
-            "--name",
-            "gw1",
-            "--certs",
-            "pki",
-            "--out",
-            "gw1.toml",
-            "--listen",
-            "127.0.0.1:0",
-        )
-        gw0 = run("hypha-gateway", "gw0", "gateway.dht_port=0")
-        dht = json.dumps([gw0["dht"]])
-        gw1 = run(
-            "hypha-gateway",
-            "gw1",
-            f"gateway.peers={json.dumps([gw0['address']])}",
-            f"gateway.dht_bootstrap={dht}",
-        )
-        gateways = ["--gateway", gw0["address"], "--gateway", gw1["address"]]
-        assert "SERVING" in sh(
-            tmp_path, *cli("hypha-gateway"), "probe", gw0["address"], "--certs", "pki", "--name", "client"
-        )
-
-        sh(
-            tmp_path,
-            *cli("hypha-data"),
-            "prepare",
-            "--data-dir",
-            "data",
-            "--name",
-            "arithmetic",
-            "--synthetic",
-            "arithmetic",
-            "--samples",
-            "1024",
-            "--samples-per-slice",
-            "32",
-        )
-        sh(
-            tmp_path,
-            *cli("hypha-data"),
-            "init",
-            "--name",
-            "data0",
-            "--certs",
-            "pki",
-            "--out",
-            "data0.toml",
-            *gateways,
-        )
-        run("hypha-data", "data0", 'data.data_dir="data"', f"data.dht_bootstrap={dht}")
-
-        sh(
-            tmp_path,
-            *cli("hypha-scheduler"),
-            "init",
-            "--name",
-            "sched0",
-            "--certs",
-            "pki",
-            "--out",
-            "sched0.toml",
-            "--listen",
-            "127.0.0.1:0",
-            *gateways,
-        )
-        sched = run("hypha-scheduler", "sched0", f"scheduler.dht_bootstrap={dht}")
-        models = tmp_path / "models"
-        save_tiny_model("causal-lm", models / "tiny", seed=0)
-        for name in ("w0", "w1", "w2"):
-            sh(
-                tmp_path,
-                *cli("hypha-worker"),
-                "init",
-                "--name",
-                name,
-                "--certs",
-                "pki",
-                "--out",
-                f"{name}.toml",
-                *gateways,
-            )
-            run("hypha-worker", name, f"worker.jobs.local_model_roots={json.dumps([str(models)])}")
-
-        (tmp_path / "job.toml").write_text(
-            '[job]\nname = "walkthrough"\ndataset = "arithmetic"\nrounds = 1\nsamples_per_round = 64\n'
-            "min_batch_size = 8\nmax_batch_size = 8\n"
-            f'[job.model]\nlocal_path = {json.dumps(str(models / "tiny"))}\ntype = "causal-lm"\n'
-            "[job.resources]\nnum_workers = 2\n"
-        )
-        client = [*cli("hypha"), "--scheduler", sched["address"], "--certs", "pki", "--name", "client"]
-        out = sh(tmp_path, *client, "submit", "job.toml", "--watch", "--output", "json")
-        job_id = json.loads(out.strip().splitlines()[0])["job_id"]
-        final = json.loads(out.strip().splitlines()[-1])
-        assert final["job"]["state"] == "succeeded", out[-2000:]
-        sh(tmp_path, *client, "fetch", job_id, "--out", "model/")
-        from transformers import AutoModelForCausalLM
-
-        AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+        for command in [*ca_commands, *mesh, *jobs]:
+            walk.do(command)
     finally:
-        for node in reversed(nodes):
-            node.stop()
+        walk.stop()
+
+    # Nodes hold their own files only: the CA keys stayed in ca/.
+    assert sorted(p.name for p in (tmp_path / "ca").glob("*-key.pem")) == [
+        "acme-ca-key.pem",
+        "root-ca-key.pem",
+    ]
+    assert not list((tmp_path / "pki").glob("*ca-key.pem"))
+    # Two outer rounds happened and the fetched model loads and predicts.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    import torch
+
+    logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape[:2] == (1, 3) and torch.isfinite(logits).all()

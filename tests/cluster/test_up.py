@@ -1,15 +1,20 @@
-"""``hypha up`` / ``down`` / ``demo``: a whole cluster as real processes."""
+"""``hypha up`` / ``down``: a whole cluster as real processes (``demo``: test_quickstart.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from hypha.client.cluster import Cluster
 from tests.helpers import cli
+
+# Longer than every inner deadline together (up 60 s, six probes, down 60 s, exit 30 s),
+# so a failure reports its own message and the node output instead of a bare timeout.
+pytestmark = pytest.mark.timeout(360)
 
 
 def alive(pid: int) -> bool:
@@ -51,7 +56,7 @@ def test_up_starts_every_node_and_down_leaves_no_process(tmp_path: Path) -> None
                     "client",
                 ],
                 capture_output=True,
-                timeout=30,
+                timeout=20,
             )
             assert probe.returncode == 0, (name, probe.stderr)
         pids = [int(n["pid"]) for n in nodes.values()]
@@ -66,35 +71,3 @@ def test_up_starts_every_node_and_down_leaves_no_process(tmp_path: Path) -> None
         if up.poll() is None:
             up.kill()
             up.wait()
-
-
-def test_demo_trains_reports_its_figures_as_json_and_stops_the_cluster(tmp_path: Path) -> None:
-    state = tmp_path / "demo"
-    res = subprocess.run(
-        [*cli("hypha"), "demo", "--state-dir", str(state), "--rounds", "3", "--output", "json"],
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    report = json.loads(res.stdout.strip().splitlines()[-1])
-    for key in (
-        "initial_loss",
-        "final_loss",
-        "accuracy_before",
-        "accuracy_after",
-        "bytes_exchanged",
-        "data_parallel_bytes",
-        "rounds",
-        "workers",
-        "plot",
-    ):
-        assert key in report, key
-    assert report["final_loss"] < report["initial_loss"]
-    assert report["rounds"] == 3 and report["workers"] == 2
-    assert report["bytes_exchanged"] < report["data_parallel_bytes"]
-    assert Path(report["plot"]).read_bytes().startswith(b"\x89PNG")
-    from transformers import AutoModelForCausalLM
-
-    AutoModelForCausalLM.from_pretrained(report["model"])  # the fetched model loads
-    assert Cluster(state).running() is None

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hypha.data.dataset import (
+from hypha.datasets.format import (
     MANIFEST_NAME,
     Dataset,
     Manifest,
@@ -19,7 +19,7 @@ from hypha.data.dataset import (
     scan_data_dir,
     slice_file_name,
 )
-from hypha.data.prepare import write_dataset
+from hypha.datasets.prepare import write_dataset
 from hypha.errors import DataLossError, InvalidArgumentError, NotFoundError, OutOfRangeError
 
 
@@ -172,7 +172,7 @@ def test_scan_skips_broken_and_temp_dirs(tmp_path: Path, caplog: pytest.LogCaptu
     (tmp_path / "stray-file.txt").write_text("not a dataset")
 
     # Execute
-    with caplog.at_level(logging.WARNING, logger="hypha.data.dataset"):
+    with caplog.at_level(logging.WARNING, logger="hypha.datasets.format"):
         found = scan_data_dir(tmp_path)
 
     # Assert

@@ -12,8 +12,8 @@ import grpc
 import pytest
 import torch
 
-from hypha.data.dataset import Dataset, load_slice_tensors
 from hypha.data.servicer import ChunkHook
+from hypha.datasets.format import Dataset, load_slice_tensors
 from hypha.errors import HyphaError, UnavailableError
 from hypha.net.channel import secure_channel
 from hypha.net.server import NodeServer
@@ -83,6 +83,37 @@ async def test_rotted_cache_file_is_fetched_again(pki: Pki, tmp_path: Path, toy:
 
     assert again.read_bytes() == toy.slice_path(0).read_bytes()
     assert f.stats["downloads"] == 2
+
+
+async def test_slice_cache_evicts_the_least_recently_used_slices_beyond_its_size(
+    pki: Pki, tmp_path: Path, toy: Dataset
+) -> None:
+    # Prepare: a cache that holds two slices of the toy dataset (they are all the same size)
+    size = toy.slice_size(0)
+    async with data_node(pki.tls("data"), toy.root.parent) as (server, _):
+        async with fetcher(pki, tmp_path, max_cache_bytes=2 * size) as f:
+            first = await f.fetch("toy", 0, [provider(server)])
+            second = await f.fetch("toy", 1, [provider(server)])
+            await f.fetch("toy", 0, [provider(server)])  # a hit: slice 0 is now the recent one
+
+            # Execute: a third slice must push the least recently used one (slice 1) out
+            third = await f.fetch("toy", 2, [provider(server)])
+
+    # Check
+    assert first.is_file() and third.is_file() and not second.exists()
+    assert f.stats["evicted"] == 1 and f.stats["downloads"] == 3 and f.stats["hits"] == 1
+    assert sum(p.stat().st_size for p in (tmp_path / "cache").rglob("*.safetensors")) <= 2 * size
+
+
+async def test_slice_larger_than_the_whole_cache_is_refused_naming_the_setting(
+    pki: Pki, tmp_path: Path, toy: Dataset
+) -> None:
+    async with data_node(pki.tls("data"), toy.root.parent) as (server, _):
+        async with fetcher(pki, tmp_path, max_cache_bytes=toy.slice_size(0) - 1) as f:
+            with pytest.raises(HyphaError, match=r"jobs\.slice_cache_bytes"):
+                await f.fetch("toy", 0, [provider(server)])
+
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))
 
 
 async def test_stream_broken_mid_slice_resumes_at_offset_on_the_next_provider(

@@ -13,9 +13,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hypha.data import synthetic
-from hypha.data.dataset import Dataset
-from hypha.data.prepare import main_prepare, prepare_arrays, prepare_synthetic, prepare_text, write_dataset
+from hypha.datasets import synthetic
+from hypha.datasets.format import Dataset
+from hypha.datasets.prepare import (
+    main_prepare,
+    prepare_arrays,
+    prepare_synthetic,
+    prepare_text,
+    write_dataset,
+)
 from hypha.errors import AlreadyExistsError, HyphaError, InvalidArgumentError, NotFoundError
 
 BYTE_EOS, BYTE_PAD = synthetic.BYTE_EOS_ID, synthetic.BYTE_PAD_ID
@@ -312,34 +318,75 @@ def test_write_dataset_keeps_tensor_names_and_order(tmp_path: Path) -> None:
 
 # ---- synthetic generators ---------------------------------------------------
 
-_LINE = re.compile(r"(\d+)\+(\d+)=(\d+)\n")
+_PROBLEM = re.compile(r"(\d{3})\+(\d{3})=(\d+)\n")
 
 
-def _lines(row: torch.Tensor) -> list[tuple[int, int, int]]:
-    text = synthetic.decode_bytes(row.tolist())
-    found = _LINE.findall(text)
-    assert "".join(f"{a}+{b}={c}\n" for a, b, c in found) == text, "sequences hold whole lines only"
-    return [(int(a), int(b), int(c)) for a, b, c in found]
+def _problem(row: torch.Tensor) -> tuple[int, int, str]:
+    """(a, b, answer as written) of one row, which holds exactly one problem and padding."""
+    found = _PROBLEM.fullmatch(synthetic.decode_bytes(row.tolist()))
+    assert found is not None, synthetic.decode_bytes(row.tolist())
+    return int(found[1]), int(found[2]), found[3]
 
 
-def test_arithmetic_corpus_is_deterministic_correct_and_avoids_heldout() -> None:
+def test_arithmetic_rows_hold_one_problem_with_the_answer_reversed_and_labelled_alone() -> None:
     # Execute
-    one = synthetic.arithmetic(200, seed=3, seq_len=40)
-    two = synthetic.arithmetic(200, seed=3, seq_len=40)
-    other = synthetic.arithmetic(200, seed=4, seq_len=40)
+    data = synthetic.arithmetic(500, seed=3)
+    ids, mask, labels = (data.tensors[k] for k in ("input_ids", "attention_mask", "labels"))
+
+    # Assert
+    assert ids.shape == (500, len("999+999=8991\n"))
+    for row in range(500):
+        a, b, answer = _problem(ids[row])
+        assert answer == str(a + b)[::-1] and synthetic.read_answer(answer) == a + b
+        line = f"{a:03d}+{b:03d}={answer}\n"
+        assert mask[row].tolist() == [1] * len(line) + [0] * (ids.shape[1] - len(line))
+        # Loss only on the answer and its newline: the prompt's digits are random.
+        want = [synthetic.IGNORE_INDEX] * 8 + list(f"{answer}\n".encode())
+        want += [synthetic.IGNORE_INDEX] * (ids.shape[1] - len(want))
+        assert labels[row].tolist() == want
+    assert (ids[mask == 0] == BYTE_PAD).all()
+    assert data.metadata["max_operand"] == "999"
+    assert synthetic.read_answer("x1") is None
+
+
+def test_arithmetic_corpus_is_deterministic_fresh_and_never_holds_a_heldout_pair() -> None:
+    # Execute
+    one = synthetic.arithmetic(20_000, seed=3)
+    two = synthetic.arithmetic(20_000, seed=3)
+    other = synthetic.arithmetic(200, seed=4)
 
     # Assert
     _assert_bit_identical(one.tensors, two.tensors)
-    assert not torch.equal(one.tensors["input_ids"], other.tensors["input_ids"])
-    problems = [p for row in one.tensors["input_ids"] for p in _lines(row)]
-    assert len(problems) >= 600
-    assert all(a + b == c and 0 <= a <= 99 and 0 <= b <= 99 for a, b, c in problems)
-    heldout = {prompt for prompt, _ in synthetic.heldout_sums(len(_all_heldout()), seed=0)}
-    assert not {f"{a}+{b}=" for a, b, _ in problems} & heldout
-    mask = one.tensors["attention_mask"]
-    assert torch.equal(one.tensors["labels"][mask == 1], one.tensors["input_ids"][mask == 1])
-    assert (one.tensors["labels"][mask == 0] == synthetic.IGNORE_INDEX).all()
-    assert (one.tensors["input_ids"][mask == 0] == BYTE_PAD).all()
+    assert not torch.equal(one.tensors["input_ids"][:200], other.tensors["input_ids"])
+    pairs = [_problem(row)[:2] for row in one.tensors["input_ids"]]
+    assert not any(synthetic.is_heldout(a, b) for a, b in pairs)
+    heldout = {prompt for prompt, _ in synthetic.heldout_sums(5000, seed=0)}
+    assert not {synthetic.arithmetic_prompt(a, b) for a, b in pairs} & heldout
+    # Fresh problems: drawn from ~900,000 training pairs, 20,000 rows barely repeat.
+    assert len(set(pairs)) > 19_500
+
+
+def test_heldout_is_a_tenth_of_the_pairs_by_hash_alone() -> None:
+    everything = np.arange(1000)
+    a, b = np.repeat(everything, 1000), np.tile(everything, 1000)
+    held = synthetic.heldout_mask(a, b)
+    assert 0.095 < held.mean() < 0.105
+    # Not a pattern a model could learn: every operand value has held-out partners.
+    assert (held.reshape(1000, 1000).sum(axis=1) > 50).all()
+    assert [synthetic.is_heldout(int(x), int(y)) for x, y in zip(a[:3000], b[:3000], strict=True)] == (
+        held[:3000].tolist()
+    )
+
+
+def test_small_operands_keep_the_format() -> None:
+    data = synthetic.arithmetic(50, seed=1, max_operand=99, seq_len=12)
+    for row in data.tensors["input_ids"]:
+        text = synthetic.decode_bytes(row.tolist())
+        prompt, answer = text.rstrip("\n").split("=")
+        a, b = (int(x) for x in prompt.split("+"))
+        assert len(prompt) == 5 and 0 <= a <= 99 and 0 <= b <= 99 and answer == str(a + b)[::-1]
+    with pytest.raises(InvalidArgumentError):
+        synthetic.arithmetic(5, seq_len=12)  # 13 bytes for 3-digit problems
 
 
 def _all_heldout() -> list[tuple[int, int]]:
@@ -347,16 +394,17 @@ def _all_heldout() -> list[tuple[int, int]]:
 
 
 def test_heldout_sums_are_distinct_deterministic_and_correct() -> None:
-    pairs = synthetic.heldout_sums(50, seed=1)
-    assert pairs == synthetic.heldout_sums(50, seed=1)
-    assert pairs != synthetic.heldout_sums(50, seed=2)
+    pairs = synthetic.heldout_sums(50, seed=1, max_operand=99)
+    assert pairs == synthetic.heldout_sums(50, seed=1, max_operand=99)
+    assert pairs != synthetic.heldout_sums(50, seed=2, max_operand=99)
     assert len(set(pairs)) == 50
     for prompt, answer in pairs:
         a, b = (int(x) for x in prompt.removesuffix("=").split("+"))
-        assert synthetic.is_heldout(a, b) and int(answer) == a + b
+        assert prompt == f"{a:02d}+{b:02d}="
+        assert synthetic.is_heldout(a, b) and synthetic.read_answer(answer) == a + b
     assert 500 < len(_all_heldout()) < 1500  # about a tenth of the 10,000 pairs
     with pytest.raises(InvalidArgumentError):
-        synthetic.heldout_sums(len(_all_heldout()) + 1)
+        synthetic.heldout_sums(len(_all_heldout()) + 1, max_operand=99)
 
 
 def test_exact_match_accuracy_reads_the_first_line_of_the_completion() -> None:

@@ -14,9 +14,9 @@ import grpc
 import pytest
 import torch
 
-from hypha.data.dataset import CONTENT_TYPE, Dataset
-from hypha.data.prepare import write_dataset
 from hypha.data.servicer import DataNodeServicer, DatasetCatalog
+from hypha.datasets.format import CONTENT_TYPE, Dataset
+from hypha.datasets.prepare import write_dataset
 from hypha.net.channel import secure_channel
 from hypha.net.server import NodeServer
 from hypha.net.tls import TlsMaterial
@@ -286,5 +286,6 @@ async def test_data_node_app_serves_its_data_dir_and_announces_each_dataset(pki:
 
     # Assert
     assert [(r.provider, r.addresses, r.slice_count) for r in records] == [(node.peer_id, (node.address,), 5)]
+    assert [r.manifest_sha256 for r in records] == [toy.manifest.digest()]  # the content is pinned
     assert [r.slice_count for r in later] == [2]
     assert path.read_bytes() == toy.slice_path(4).read_bytes()

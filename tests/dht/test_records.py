@@ -127,6 +127,19 @@ def test_tampered_body_is_rejected(idents: dict[str, Identity], verifier: Record
         verifier.verify(canonical_json(envelope))
 
 
+def test_manifest_pin_is_signed_and_cannot_be_swapped(
+    idents: dict[str, Identity], verifier: RecordVerifier
+) -> None:
+    record = make_record(idents["data"], now=time.time(), manifest_sha256="a" * 64)
+    blob = sign_record(record, idents["data"].key, idents["data"].chain)
+    envelope = json.loads(blob)
+    envelope["body"]["manifest_sha256"] = "b" * 64
+
+    assert verifier.verify(blob).manifest_sha256 == "a" * 64
+    with pytest.raises(PermissionDeniedError, match="signature"):
+        verifier.verify(canonical_json(envelope))
+
+
 def test_swapped_signature_is_rejected(idents: dict[str, Identity], verifier: RecordVerifier) -> None:
     now = time.time()
     one = json.loads(
@@ -260,7 +273,9 @@ def test_malformed_blob_is_rejected(blob: bytes, verifier: RecordVerifier) -> No
         ("addresses", []),
         ("addresses", ["no-port"]),
         ("expires_at", "soon"),
-        ("v", 2),
+        ("v", 1),  # version 1 had no manifest pin
+        ("v", 3),
+        ("manifest_sha256", "not-hex"),
     ],
 )
 def test_body_with_a_wrong_field_is_rejected(
@@ -393,6 +408,41 @@ def test_storer_bounds_providers_per_key(idents: dict[str, Identity]) -> None:
     assert table.put(key, long_, b"3") is PutOutcome.STORED
     assert table.put(key, replace(short, provider="p4"), b"4") is PutOutcome.FULL
     assert sorted(blob for _, blob in table.get(key)) == [b"2", b"3"]
+
+
+def test_storer_bounds_records_per_provider(idents: dict[str, Identity]) -> None:
+    # Prepare: one certificate may hold two records; another provider is unaffected.
+    clock = FakeClock()
+    table = ProviderTable(max_per_provider=2, clock=clock)
+    mine = make_record(idents["data"], now=clock.now, lifetime_s=10)
+    other = make_record(idents["data2"], now=clock.now)
+
+    # Execute / Assert: a third dataset of the same provider is over its quota, a newer seq is not.
+    assert table.put(b"a" * 20, mine, b"1") is PutOutcome.STORED
+    assert table.put(b"b" * 20, mine, b"2") is PutOutcome.STORED
+    assert table.put(b"c" * 20, mine, b"3") is PutOutcome.OVER_QUOTA
+    assert table.put(b"a" * 20, replace(mine, seq=2), b"1b") is PutOutcome.REPLACED
+    assert table.put(b"c" * 20, other, b"4") is PutOutcome.STORED
+    assert table.records_of(mine.provider) == 2 and len(table) == 3
+
+    # Expired records free the quota again.
+    clock.now += 60
+    assert table.put(b"c" * 20, make_record(idents["data"], now=clock.now), b"5") is PutOutcome.STORED
+
+
+def test_storer_bounds_the_bytes_it_keeps(idents: dict[str, Identity]) -> None:
+    clock = FakeClock()
+    table = ProviderTable(max_bytes=10, clock=clock)
+    first = make_record(idents["data"], now=clock.now, lifetime_s=10)
+    second = make_record(idents["data2"], now=clock.now)
+
+    assert table.put(b"a" * 20, first, b"x" * 6) is PutOutcome.STORED
+    assert table.put(b"b" * 20, second, b"y" * 6) is PutOutcome.FULL
+    assert table.put(b"a" * 20, replace(first, seq=2), b"x" * 11) is PutOutcome.FULL
+    assert table.stored_bytes == 6
+    clock.now += 60  # the first expires: its bytes are free again
+    assert table.put(b"b" * 20, second, b"y" * 6) is PutOutcome.STORED
+    assert table.stored_bytes == 6
 
 
 @settings(max_examples=50, deadline=None)

@@ -12,6 +12,7 @@ from hypha.diloco import checkpoint
 from hypha.diloco.outer import NesterovOuter
 from hypha.diloco.rounds import ParameterServerCore, RoundUpdate
 from hypha.errors import DataLossError, NotFoundError
+from hypha.tensors.payload import read_metadata
 
 SHAPES = {"w": (6, 3), "b": (3,)}
 WORKERS = {"w1": 40, "w2": 25, "w3": 90}
@@ -108,14 +109,14 @@ def test_failed_manifest_write_leaves_the_previous_checkpoint(
     checkpoint.save(tmp_path, core)
     snapshot = checkpoint.load(tmp_path)
     _run_round(core, now=1.0)
-    real_write = checkpoint._write_atomic
+    real_write = checkpoint.write_atomic
 
     def crash_on_manifest(path: Path, data: bytes) -> None:
         if path.name == checkpoint.MANIFEST_NAME:
             raise OSError("disk gone")
         real_write(path, data)
 
-    monkeypatch.setattr(checkpoint, "_write_atomic", crash_on_manifest)
+    monkeypatch.setattr(checkpoint, "write_atomic", crash_on_manifest)
 
     # Execute
     with pytest.raises(OSError, match="disk gone"):
@@ -172,3 +173,49 @@ def test_damaged_manifest_is_data_loss(tmp_path: Path) -> None:
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(DataLossError, match="missing"):
         checkpoint.read(tmp_path)
+
+
+def test_packed_state_restores_bit_for_bit_and_names_its_round() -> None:
+    # Prepare: two rounds done, so there is a momentum buffer.
+    original = _core()
+    for rnd in range(2):
+        _run_round(original, now=float(rnd))
+
+    # Execute: one blob leaves the machine; another server restores from it.
+    blob = checkpoint.pack(original)
+    restored = checkpoint.restore(checkpoint.unpack(blob))
+
+    # Assert: the same state, the same digest; the round readable from the header alone.
+    _assert_same_state(original, restored)
+    assert checkpoint.state_digest(restored.outer.state_dict()) == checkpoint.state_digest(
+        original.outer.state_dict()
+    )
+    assert read_metadata(blob)[checkpoint.PACKED_ROUND_KEY] == "2"
+    a, b = _run_round(original, now=2.0), _run_round(restored, now=2.0)
+    for name in SHAPES:
+        assert torch.equal(a.params[name], b.params[name])
+
+
+def test_state_digest_sees_a_single_flipped_bit() -> None:
+    core = _core()
+    _run_round(core, now=0.0)
+    state = core.outer.state_dict()
+    before = checkpoint.state_digest(state)
+    assert state["momentum_buffer"] is not None
+    flat = state["momentum_buffer"]["b"].view(torch.int32)
+    flat[0] ^= 1
+    assert checkpoint.state_digest(state) != before
+
+
+@pytest.mark.parametrize("damage", ["truncate", "no-manifest"])
+def test_damaged_packed_state_is_data_loss(damage: str) -> None:
+    core = _core()
+    blob = checkpoint.pack(core)
+    if damage == "truncate":
+        blob = blob[: len(blob) - 7]
+    else:
+        from safetensors.torch import save
+
+        blob = save({"params/w": torch.zeros(6, 3)})
+    with pytest.raises(DataLossError):
+        checkpoint.unpack(blob)

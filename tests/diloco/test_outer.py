@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hypha.diloco.outer import NesterovOuter, weighted_average
+from hypha.diloco.outer import NesterovOuter, NonFiniteDeltaError, weighted_average
 from hypha.errors import InvalidArgumentError
 
 SHAPES = {"w": (4, 3), "b": (3,), "scale": ()}
@@ -194,3 +194,66 @@ def test_average_of_identical_deltas_is_that_delta(samples: list[int]) -> None:
     avg = weighted_average([(delta, n) for n in samples])
     for name in SHAPES:
         torch.testing.assert_close(avg[name], delta[name])
+
+
+def test_fused_step_average_is_bit_identical_to_step_of_the_average() -> None:
+    # Prepare: three deltas (one bf16, one with zero samples, dicts in another order than θ)
+    gen = torch.Generator().manual_seed(3)
+    theta = {"w": torch.randn(6, 5, generator=gen), "b": torch.randn(5, generator=gen)}
+    deltas = [
+        ({"b": torch.randn(5, generator=gen), "w": torch.randn(6, 5, generator=gen)}, 7),
+        ({n: torch.randn(t.shape, generator=gen).to(torch.bfloat16) for n, t in theta.items()}, 3),
+        ({n: torch.randn(t.shape, generator=gen) for n, t in theta.items()}, 0),
+    ]
+    kept = [{n: t.clone() for n, t in d.items()} for d, _ in deltas]
+    fused, plain = NesterovOuter(theta, 0.7, 0.9), NesterovOuter(theta, 0.7, 0.9)
+
+    # Execute: three rounds each way (the momentum buffer and the reused scratch both matter)
+    for _ in range(3):
+        fused.step_average(deltas)
+        plain.step(weighted_average(deltas))
+
+    # Check
+    for name in theta:
+        assert torch.equal(fused.parameters()[name], plain.parameters()[name])
+        assert torch.equal(fused.momentum_buffer()[name], plain.momentum_buffer()[name])  # type: ignore[index]
+    for (delta, _), before in zip(deltas, kept, strict=True):
+        assert all(torch.equal(delta[n], before[n]) for n in before)
+
+
+def test_step_average_names_the_non_finite_deltas_and_changes_nothing() -> None:
+    # Prepare: one step taken (a momentum buffer exists), then a round where #1 and #3 are bad.
+    gen = torch.Generator().manual_seed(5)
+    theta = {"w": torch.randn(6, 5, generator=gen), "b": torch.randn(5, generator=gen)}
+    outer = NesterovOuter(theta, 0.7, 0.9)
+    outer.step_average([({n: torch.randn(t.shape, generator=gen) for n, t in theta.items()}, 1)])
+    good = {n: torch.randn(t.shape, generator=gen) for n, t in theta.items()}
+    nan = {n: t.clone() for n, t in good.items()}
+    nan["w"][3, 1] = float("nan")
+    inf = {n: t.clone() for n, t in good.items()}
+    inf["b"][0] = float("-inf")
+    params = {n: t.clone() for n, t in outer.parameters().items()}
+    buffer = {n: t.clone() for n, t in outer.momentum_buffer().items()}  # type: ignore[union-attr]
+
+    # Execute
+    with pytest.raises(NonFiniteDeltaError) as caught:
+        outer.step_average([(good, 3), (nan, 2), (good, 1), (inf, 4)], reject_non_finite=True)
+
+    # Assert
+    assert caught.value.culprits == {1: "w", 3: "b"}
+    assert outer.steps == 1
+    assert all(torch.equal(outer.parameters()[n], t) for n, t in params.items())
+    assert all(torch.equal(outer.momentum_buffer()[n], t) for n, t in buffer.items())  # type: ignore[index]
+
+
+def test_a_finite_sum_that_overflows_is_not_mistaken_for_a_bad_delta() -> None:
+    # Every element is finite, but the sums the check takes overflow to infinity.
+    theta = {"w": torch.zeros(4)}
+    huge = {"w": torch.full((4,), 3e38)}
+    checked, plain = NesterovOuter(theta, 0.7, 0.9), NesterovOuter(theta, 0.7, 0.9)
+
+    checked.step_average([(huge, 1), (huge, 1)], reject_non_finite=True)
+    plain.step_average([(huge, 1), (huge, 1)])
+
+    assert checked.steps == 1
+    assert torch.equal(checked.parameters()["w"], plain.parameters()["w"])

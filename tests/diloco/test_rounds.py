@@ -202,8 +202,11 @@ def test_quorum_completes_at_the_deadline_and_the_missing_workers_late_delta_is_
 def test_everyone_arriving_completes_before_the_deadline() -> None:
     core = _core(0.5)
     for t, worker in enumerate(WORKERS):
-        core.add_delta(worker, 0, 10, _tensors(t, 0.01), now=float(t))
-    assert core.maybe_complete(now=4.0) is not None
+        assert core.add_delta(worker, 0, 10, _tensors(t, 0.01), now=float(t)).accepted
+    update = core.maybe_complete(now=4.0)
+    assert update is not None
+    assert update.contributors == tuple(sorted(WORKERS)) and update.missing == ()
+    assert core.round_number == 1
 
 
 def test_no_deadline_before_the_first_delta() -> None:
@@ -276,11 +279,74 @@ def test_delta_of_the_wrong_shape_is_refused_naming_the_tensor() -> None:
     assert core.current_round.arrived == frozenset()
 
 
-def test_non_finite_delta_is_refused() -> None:
-    delta = _tensors(1)
-    delta["b"][2] = float("nan")
-    with pytest.raises(InvalidArgumentError, match=r"'b'.*NaN"):
-        _core().add_delta("w1", 0, 10, delta, now=0.0)
+def _poisoned(seed: int, name: str, value: float) -> dict[str, torch.Tensor]:
+    delta = _tensors(seed, 0.01)
+    delta[name].view(-1)[2] = value
+    return delta
+
+
+def test_non_finite_deltas_are_refused_when_the_round_aggregates_and_their_workers_may_resend() -> None:
+    # Prepare: everyone must deliver; w2 sends a NaN, w3 an infinity.
+    core, clean = _core(1.0), _core(1.0)
+    theta_before = {n: t.clone() for n, t in core.outer.parameters().items()}
+    for t, worker in enumerate(WORKERS):
+        clean.add_delta(worker, 0, 10 + t, _tensors(t, 0.01), now=0.0)
+    core.add_delta("w1", 0, 10, _tensors(0, 0.01), now=0.0)
+    core.add_delta("w2", 0, 11, _poisoned(1, "b", float("nan")), now=0.0)
+    core.add_delta("w3", 0, 12, _poisoned(2, "w", float("-inf")), now=0.0)
+    core.add_delta("w4", 0, 13, _tensors(3, 0.01), now=0.0)
+
+    # Execute
+    update = core.maybe_complete(now=1.0)
+
+    # Assert: only the culprits are refused, θ_global untouched, the round collects again.
+    assert update is None
+    assert core.current_round.state is RoundState.COLLECTING
+    assert core.current_round.arrived == {"w1", "w4"}
+    assert [(r.round_number, r.worker) for r in core.refused] == [(0, "w2"), (0, "w3")]
+    assert "'b'" in core.refused[0].reason and "NaN" in core.refused[0].reason
+    assert "'w'" in core.refused[1].reason
+    assert core.outer.steps == 0
+    assert all(torch.equal(core.outer.parameters()[n], t) for n, t in theta_before.items())
+
+    # The refused workers send good deltas: the round is exactly the clean one.
+    core.add_delta("w2", 0, 11, _tensors(1, 0.01), now=2.0)
+    core.add_delta("w3", 0, 12, _tensors(2, 0.01), now=2.0)
+    done, expected = core.maybe_complete(now=3.0), clean.maybe_complete(now=3.0)
+    assert done is not None and expected is not None
+    assert done.contributors == WORKERS and done.samples == expected.samples
+    assert all(torch.equal(done.params[n], expected.params[n]) for n in SHAPES)
+
+
+def test_a_refused_delta_leaves_a_round_that_still_has_quorum_to_complete_without_it() -> None:
+    # Prepare: quorum 3 of 4, the deadline has passed, w4's delta holds +inf.
+    core, clean = _core(0.75), _core(0.75)
+    for t, worker in enumerate(WORKERS[:3]):
+        core.add_delta(worker, 0, 10, _tensors(t, 0.01), now=0.0)
+        clean.add_delta(worker, 0, 10, _tensors(t, 0.01), now=0.0)
+    core.add_delta("w4", 0, 10, _poisoned(3, "b", float("inf")), now=0.0)
+
+    # Execute
+    update = core.maybe_complete(now=TIMEOUT_S + 1)
+
+    # Assert
+    expected = clean.maybe_complete(now=TIMEOUT_S + 1)
+    assert update is not None and expected is not None
+    assert update.contributors == ("w1", "w2", "w3") and update.missing == ("w4",)
+    assert [r.worker for r in core.refused] == ["w4"]
+    assert all(torch.equal(update.params[n], expected.params[n]) for n in SHAPES)
+    late = core.add_delta("w4", 0, 10, _tensors(3, 0.01), now=TIMEOUT_S + 2)
+    assert not late.accepted and "late" in late.reason
+
+
+def test_the_finite_check_can_be_turned_off() -> None:
+    core = _core(1, ("w1",), reject_non_finite=False)
+    core.add_delta("w1", 0, 10, _poisoned(1, "b", float("nan")), now=0.0)
+
+    update = core.maybe_complete(now=0.0)
+
+    assert update is not None and not list(core.refused)
+    assert bool(torch.isnan(update.params["b"]).any())
 
 
 # ---- replacement and late joiners ------------------------------------------------------------
@@ -402,3 +468,50 @@ def test_rounds_never_count_a_worker_twice_nor_complete_without_quorum(
             assert update.contributors == tuple(sorted(rnd.expected - set(update.missing)))
             assert update.samples == len(update.contributors)
             assert now >= rnd.deadline or not update.missing
+
+
+# ---- elastic membership (``hypha scale``) ------------------------------------------------------
+
+
+def test_a_worker_added_mid_round_joins_with_the_next_round() -> None:
+    core = _core(1.0, ("w1",))
+    core.add_delta("w1", 0, 10, _tensors(1, 0.01), now=0.0)
+
+    added, removed = core.set_workers(["w1", "w2"])
+
+    assert (added, removed) == (["w2"], [])
+    early = core.add_delta("w2", 0, 10, _tensors(2, 0.01), now=0.5)
+    assert not early.accepted and "round 1" in early.reason
+    update = core.maybe_complete(now=1.0)
+    assert update is not None and update.contributors == ("w1",)
+    assert core.current_round.expected == frozenset({"w1", "w2"})
+    assert core.maybe_complete(now=2.0) is None  # round 1 waits for both (quorum 1.0)
+
+
+def test_a_removed_worker_is_not_waited_for_but_its_delivered_delta_counts() -> None:
+    # Prepare: all four expected (quorum 1.0); w4 delivered, w3 did not.
+    core = _core(1.0)
+    core.add_delta("w4", 0, 30, _tensors(4, 0.01), now=0.0)
+    for worker in ("w1", "w2"):
+        core.add_delta(worker, 0, 10, _tensors(1, 0.01), now=0.0)
+
+    # Execute: the job shrinks to w1, w2.
+    added, removed = core.set_workers(["w1", "w2"])
+
+    # Assert: the round closes at once; w4's work (30 samples) is kept, nobody waits for w3.
+    assert (added, removed) == ([], ["w3", "w4"])
+    update = core.maybe_complete(now=0.1)
+    assert update is not None and update.contributors == ("w1", "w2", "w4") and update.samples == 50
+    assert core.current_round.expected == frozenset({"w1", "w2"})
+    with pytest.raises(PermissionDeniedError):
+        core.add_delta("w3", 1, 10, _tensors(3, 0.01), now=1.0)
+
+
+def test_set_workers_pairs_the_lost_with_newcomers_first_and_needs_someone() -> None:
+    core = _core(1.0)
+    assert core.set_workers(["w1", "w2", "w3", "w5", "w6"]) == (["w6"], [])
+    assert core.round_for("w5") == 0  # took w4's place in the current round
+    assert core.set_workers(["w1", "w2", "w3", "w5", "w6", "w7"], delivering="w7") == (["w7"], [])
+    assert core.round_for("w7") == 0 and core.round_for("w6") == 1
+    with pytest.raises(InvalidArgumentError):
+        core.set_workers([])

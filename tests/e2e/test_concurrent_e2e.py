@@ -65,9 +65,12 @@ async def test_two_diloco_jobs_at_once_both_succeed(cluster: E2ECluster, tmp_pat
         assert job.round == 2
     workers = [set(job.workers) for job in jobs]
     assert not workers[0] & workers[1], "the two jobs shared a worker"
-    from transformers import AutoModelForCausalLM
+    from tests.e2e.test_diloco_e2e import eval_loss
 
+    before = eval_loss(cluster.model_dir, cluster.cluster.data_dir)
     for i, job_id in enumerate(ids):
         files = await cluster.fetch_result(job_id, tmp_path / f"model{i}")
         assert {path.name for path in files} >= {"config.json", "model.safetensors"}
-        AutoModelForCausalLM.from_pretrained(tmp_path / f"model{i}")
+        # Each job trained its own model: it loads and its loss fell.
+        after = eval_loss(tmp_path / f"model{i}", cluster.cluster.data_dir)
+        assert after < before - 0.3, (i, before, after)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from hypha.v1 import common_pb2
+from tests.deploy.readme import marked_block
 from tests.e2e import E2ECluster
 from tests.helpers import cli
 
@@ -35,7 +37,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2ECluster]:
         c.stop()
 
 
-def task_toml(script: str, *, max_attempts: int = 1, name: str = "task") -> str:
+def task_toml(script: str, *, max_attempts: int = 1, name: str = "task", extra: str = "") -> str:
     return "\n".join(
         [
             "[job]",
@@ -43,6 +45,7 @@ def task_toml(script: str, *, max_attempts: int = 1, name: str = "task") -> str:
             f"command = {json.dumps(sys.executable)}",
             f"args = {json.dumps(['-c', script])}",
             "timeout_s = 60",
+            extra,
             "[job.retry]",
             f"max_attempts = {max_attempts}",
             "backoff_base_s = 0.2",
@@ -105,7 +108,95 @@ async def test_cli_submits_a_task_watches_it_to_success_and_prints_its_logs(
     assert events[-1]["job"]["state"] == "succeeded"
     logs = await asyncio.to_thread(hypha, "logs", job_id)
     assert logs.returncode == 0, logs.stderr
-    assert "via the cli" in logs.stdout.splitlines()
+    # Each line says which worker (its certificate name) and executor wrote it.
+    assert any(re.fullmatch(r"\[\S+ task\] via the cli", line) for line in logs.stdout.splitlines())
+
+
+def test_readme_task_example_runs_verbatim_from_an_empty_directory(
+    cluster: E2ECluster, tmp_path: Path
+) -> None:
+    """The README's task example, its commands as written: ships train.py, fetches out/."""
+    block = marked_block("task-example")
+    env = {
+        **os.environ,
+        "HYPHA_STATE_DIR": str(cluster.cluster.state_dir),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+
+    run = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+
+    assert run.returncode == 0, f"stdout:\n{run.stdout}\nstderr:\n{run.stderr}"
+    metrics = json.loads((tmp_path / "task-example" / "result" / "out" / "metrics.json").read_text())
+    assert metrics == {"epochs": 3, "loss": [1.0, 0.5, 0.3333]}
+    assert "trained for 3 epochs, final loss 0.3333" in run.stdout
+    assert '{"epochs": 3, "loss": [1.0, 0.5, 0.3333]}' in run.stdout.splitlines()
+
+
+async def test_shipped_files_are_in_the_work_dir_and_outputs_come_back(
+    cluster: E2ECluster, tmp_path: Path
+) -> None:
+    from hypha.bundles import pack
+
+    (tmp_path / "src" / "data").mkdir(parents=True)
+    (tmp_path / "src" / "data" / "numbers.txt").write_text("1\n2\n3\n")
+    script = (
+        "import pathlib; n = sum(map(int, pathlib.Path('data/numbers.txt').read_text().split()));"
+        " pathlib.Path('model').mkdir(); pathlib.Path('model/sum.txt').write_text(str(n));"
+        " pathlib.Path('metrics.json').write_text('{}'); pathlib.Path('scratch.bin').write_text('x')"
+    )
+    toml = task_toml(script, name="outputs", extra='files = ["data"]\noutputs = ["model/", "metrics.json"]')
+    job_id = await cluster.submit(toml, files_bundle=pack(["data"], tmp_path / "src"))
+
+    job = await cluster.wait(job_id, timeout_s=60)
+
+    assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.reason
+    assert len(job.spec.task.files_sha256) == 64
+    files = await cluster.fetch_result(job_id, tmp_path / "fetched")
+    names = sorted(p.relative_to(tmp_path / "fetched").as_posix() for p in files)
+    assert names == ["metrics.json", "model/sum.txt"]  # only what was declared
+    assert (tmp_path / "fetched" / "model" / "sum.txt").read_text() == "6"
+
+
+async def test_a_missing_declared_output_fails_the_task_naming_it(cluster: E2ECluster) -> None:
+    toml = task_toml("print('made nothing')", name="no-output", extra='outputs = ["model/"]')
+    job_id = await cluster.submit(toml)
+
+    job = await cluster.wait(job_id, timeout_s=60)
+
+    assert job.state == common_pb2.JOB_STATE_FAILED
+    assert "declared output(s) missing: model/" in job.reason
+
+
+async def test_a_job_naming_files_without_sending_them_is_refused(cluster: E2ECluster) -> None:
+    import grpc
+
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await cluster.submit(task_toml("print(1)", extra='files = ["train.py"]'))
+
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "job.files" in (refused.value.details() or "")
+
+
+async def test_a_diloco_job_on_an_unknown_dataset_fails_at_submit(cluster: E2ECluster) -> None:
+    import grpc
+
+    toml = '[job]\ndataset = "arithmetc"\nrounds = 1\n[job.model]\nlocal_path = "/nowhere"\n'
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await cluster.submit(toml)
+
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "dataset 'arithmetc' not found" in (refused.value.details() or "")
+    assert loop.time() - started < 20
 
 
 async def test_cancel_stops_the_task_and_frees_the_worker(cluster: E2ECluster) -> None:
@@ -114,9 +205,18 @@ async def test_cancel_stops_the_task_and_frees_the_worker(cluster: E2ECluster) -
     from hypha.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
     from tests.helpers import eventually
 
-    script = "import time; print('started', flush=True); time.sleep(120)"
+    marker = f"cancel-me-{os.getpid()}-{id(cluster)}"  # in the task's argv: findable in `ps`, sandbox or not
+    script = f"import time; print('started', flush=True); time.sleep(120)  # {marker}"
     job_id = await cluster.submit(task_toml(script, name="long"))
     job = await cluster.wait(job_id, timeout_s=60, states=frozenset({common_pb2.JOB_STATE_RUNNING}))
+
+    def task_processes() -> list[str]:
+        ps = subprocess.run(
+            ["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, timeout=30
+        ).stdout
+        return [line for line in ps.splitlines() if marker in line]
+
+    await eventually(task_processes, timeout=30, message="the task's process running")
     worker = cluster.node(cluster.peer_of(job.workers[0]))
 
     async with cluster.channel() as channel:
@@ -145,6 +245,8 @@ async def test_cancel_stops_the_task_and_frees_the_worker(cluster: E2ECluster) -
         return not running and not held
 
     await eventually(freed, timeout=20, message="the worker's execution stopped and its lease released")
+    # The command itself is gone, not just its record.
+    await eventually(lambda: not task_processes(), timeout=20, message="the task's process gone")
 
 
 async def test_restarted_scheduler_keeps_job_history_and_fails_what_was_running(cluster: E2ECluster) -> None:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from hypha import models
+from hypha.diloco import checkpoint
+from hypha.errors import FailedPreconditionError
+from hypha.models import ModelKind
 from hypha.tensors.payload import decode_state, encode_state, read_metadata
 from hypha.v1 import common_pb2
-from hypha.worker.executors import models, training
-from hypha.worker.executors.models import ModelKind
+from hypha.worker.executors import training
 from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
 from tests.executors import FakeNetwork, FakeReceived, diloco_spec
 from tests.helpers import FakeClock
@@ -194,11 +198,33 @@ async def test_duplicate_unknown_and_malformed_deltas_are_dropped(
     assert await ps.handle(FakeReceived(b"not safetensors", "t1", "delta", 0, 10)) is None
     wrong_shape = {n: torch.zeros(3) for n in theta0}
     assert await ps.handle(_received("t1", 0, 10, wrong_shape)) is None
-    nan = {n: torch.full_like(t, float("nan")) for n, t in theta0.items()}
-    assert await ps.handle(_received("t1", 0, 10, nan)) is None
     assert await ps.handle(_received("t1", 5, 10, _delta(theta0, 1))) is None  # a future round
 
     assert ps.core is not None and ps.core.current_round.arrived == {"t0"}
+
+
+async def test_a_poisoned_delta_is_refused_at_aggregation_and_its_trainer_may_resend(
+    tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
+) -> None:
+    # Prepare: t1's delta is all NaN, the others are good.
+    network = _network(tmp_path, vit_dir)
+    ps = _server(network, FakeClock(50.0))
+    await ps.start()
+    nan = {n: torch.full_like(t, float("nan")) for n, t in theta0.items()}
+    for peer, delta in (("t0", _delta(theta0, 1)), ("t1", nan), ("t2", _delta(theta0, 3))):
+        assert await ps.handle(_received(peer, 0, 10, delta)) is not None
+
+    # Execute: the round is aggregated, t1's delta found bad.
+    assert await ps.tick() is None
+
+    # Assert: nothing published, t1 missing again; its good delta completes the round.
+    assert ps.core is not None and ps.core.current_round.arrived == {"t0", "t2"}
+    assert [r.worker for r in ps.core.refused] == ["t1"]
+    assert not any(kind == "update" for _, kind, _ in network.published)
+    assert await ps.handle(_received("t1", 0, 10, _delta(theta0, 2))) is not None
+    update = await ps.tick()
+    assert update is not None and update.contributors == TRAINERS
+    assert all(bool(torch.isfinite(t).all()) for t in update.params.values())
 
 
 async def test_a_replacement_trainer_named_by_the_job_takes_the_lost_ones_place(
@@ -246,3 +272,80 @@ async def test_the_result_carries_the_preprocessor_files_beside_the_model(
     assert (result / "preprocessor_config.json").read_text() == '{"do_resize": false}'
     assert "not" not in (result / "config.json").read_text()  # the model's own config wins
     assert network.results["ps"] == result
+
+
+async def test_a_replacement_server_elsewhere_restores_the_pushed_state_bit_for_bit(
+    tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
+) -> None:
+    # Prepare: a server completes two rounds; each round's state is published before its update.
+    network = _network(tmp_path / "a", vit_dir)
+    bridge = network.bridge("ps")
+    committed_before_update: list[bool] = []
+    report = bridge.metrics
+
+    async def metrics(round: int, values: Mapping[str, float]) -> None:
+        committed_before_update.append(
+            ("ps", "ps-state", int(values["state_round"])) in network.published
+            and ("ps", "update", round) not in network.published
+        )
+        await report(round, values)
+
+    bridge.metrics = metrics  # type: ignore[method-assign]
+    first = ParameterServer(bridge, options=ServerOptions(poll_s=0.02, linger_s=0.0, clock=FakeClock(50.0)))
+    await first.start()
+    for r in range(2):
+        await _feed_round(first, theta0, r)
+    assert committed_before_update == [True, True]
+    assert [m[2]["state_round"] for m in network.metrics] == [1.0, 2.0]
+    blob = network.published[("ps", "ps-state", 2)].read_bytes()
+
+    # Execute: another machine (empty work dir), with t2 replaced by t3 meanwhile, gets the state.
+    elsewhere = _network(tmp_path / "b", vit_dir)
+    elsewhere.trainer_ids = ("t0", "t1", "t3")
+    elsewhere.start_rounds["ps"] = 2
+    elsewhere.deliver("scheduler", "ps", "ps-state", 2, 0, blob)
+    second = _server(elsewhere, FakeClock(50.0))
+    core = await second.start()
+
+    # Assert: the same θ_global and momentum bit for bit, the newcomer expected, the round republished.
+    assert first.core is not None
+    assert core.round_number == 2 and core.outer.steps == 2
+    assert checkpoint.state_digest(core.outer.state_dict()) == checkpoint.state_digest(
+        first.core.outer.state_dict()
+    )
+    assert core.expected == {"t0", "t1", "t3"}
+    assert set(elsewhere.published) == {("ps", "update", 1), ("ps", "global", 2)}
+
+
+async def test_a_replacement_server_without_a_pushed_state_fails(tmp_path: Path, vit_dir: Path) -> None:
+    network = _network(tmp_path, vit_dir)
+    network.start_rounds["ps"] = 3
+    ps = ParameterServer(
+        network.bridge("ps"),
+        options=ServerOptions(poll_s=0.01, linger_s=0.0, restore_wait_s=0.1),
+    )
+    with pytest.raises(FailedPreconditionError, match="no state to resume round 3"):
+        await ps.start()
+
+
+async def test_trainers_that_left_are_not_waited_for_and_a_newcomer_joins_when_it_delivers(
+    tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
+) -> None:
+    network = _network(tmp_path, vit_dir)
+    ps = _server(network, FakeClock(50.0))
+    await ps.start()
+    await ps.handle(_received("t0", 0, 10, _delta(theta0, 1)))
+    await ps.handle(_received("t1", 0, 10, _delta(theta0, 2)))
+    network.trainer_ids = ("t0", "t1", "t9")  # scaled: t2 left, t9 joins (still starting)
+    await ps._follow_trainers()  # the idle path: nobody left by count, nothing changes
+    assert ps.core is not None and ps.core.expected == {"t0", "t1", "t2"}
+    network.trainer_ids = ("t0", "t1")  # scaled down: t2 left
+
+    await ps._follow_trainers()
+
+    update = await ps.tick()
+    assert update is not None and update.contributors == ("t0", "t1")
+    network.trainer_ids = ("t0", "t1", "t9")  # scaled up again: t9 delivers for round 1
+    early = await ps.handle(_received("t9", 1, 10, _delta(theta0, 3)))
+    assert early is not None and early.accepted
+    assert ps.core.expected == {"t0", "t1", "t9"}

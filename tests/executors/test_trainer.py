@@ -7,16 +7,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
-from hypha.data import synthetic
+from hypha import models
+from hypha.datasets import synthetic
 from hypha.errors import UnavailableError
+from hypha.models import ModelKind
 from hypha.tensors.payload import decode_state, encode_state
 from hypha.v1 import common_pb2
-from hypha.worker.executors import models, training
+from hypha.worker.executors import training
 from hypha.worker.executors.diloco_trainer import DilocoTrainer, TrainerOptions
-from hypha.worker.executors.models import ModelKind
 from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
 from tests.executors import FakeBridge, FakeNetwork, diloco_spec, sync_after_first, sync_every, write_slices
 from tests.helpers import FakeClock, eventually
@@ -145,6 +147,41 @@ async def test_sync_after_counts_down_and_bf16_deltas_travel_as_bf16(
     for sent in network.deltas():
         assert {t.dtype for t in decode_state(sent.data, None).values()} == {torch.bfloat16}
     assert ps.core is not None and ps.core.outer.steps == 2
+
+
+async def test_int8_deltas_are_a_quarter_of_fp32_and_the_server_steps_with_what_it_decoded(
+    tmp_path: Path, gpt2_dir: Path, slices: dict[str, list[Path]]
+) -> None:
+    # Prepare
+    rounds, batches = 3, {"t0": 2, "t1": 3}
+    network = _network(
+        tmp_path, gpt2_dir, slices, ("t0", "t1"), rounds=rounds, delta_dtype=common_pb2.DELTA_DTYPE_INT8
+    )
+    network.policy = sync_every(batches)
+    ps = _server(network)
+    trainers = {peer: _trainer(network, peer) for peer in batches}
+
+    # Execute
+    codes = await _run(ps.run(), *(t.run() for t in trainers.values()))
+
+    # Assert: the wire holds int8 codes, θ_global is torch's SGD over the decoded deltas,
+    # and each trainer keeps a (small, non-zero) residual for its next round.
+    assert codes == [0, 0, 0]
+    theta0 = training.parameter_state(
+        models.build_model(common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_CAUSAL_LM), gpt2_dir)
+    )
+    fp32_bytes = len(encode_state(theta0))
+    for sent in network.deltas():
+        raw = safetensors.torch.load(sent.data)
+        assert {t.dtype for name, t in raw.items() if name.endswith("/q")} == {torch.int8}
+        assert 0.2 < len(sent.data) / fp32_bytes < 0.3
+    expected = _reference(theta0, network, rounds)
+    assert ps.core is not None
+    for name, value in expected.items():
+        torch.testing.assert_close(ps.core.outer.parameters()[name], value, rtol=0, atol=1e-6)
+    for trainer in trainers.values():
+        residual = trainer.encoder.residual
+        assert set(residual) == set(theta0) and any(float(r.abs().max()) > 0 for r in residual.values())
 
 
 async def test_late_trainer_pulls_global_and_a_round_completes_by_quorum_without_it(

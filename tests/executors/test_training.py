@@ -10,12 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from hypha.data import synthetic
+from hypha import models
+from hypha.datasets import synthetic
 from hypha.errors import DataLossError, InvalidArgumentError
+from hypha.models import ModelKind
 from hypha.tensors.payload import decode_state
 from hypha.v1 import common_pb2
-from hypha.worker.executors import models, training
-from hypha.worker.executors.models import ModelKind
+from hypha.worker.executors import training
 from hypha.worker.executors.training import BatchStream, InnerSettings
 
 
@@ -49,11 +50,11 @@ def test_tiny_gpt2_from_its_dir_lowers_the_loss_on_arithmetic(tmp_path: Path) ->
     assert sum(p.numel() for p in model.parameters()) < 500_000
     train = _batches(synthetic.arithmetic(160, seed=1).tensors, 8)
     held_out = _batches(synthetic.arithmetic(32, seed=2).tensors, 16)
-    before = training.evaluate_loss(model, ModelKind.CAUSAL_LM, held_out)
+    before = models.evaluate_loss(model, ModelKind.CAUSAL_LM, held_out)
 
     _train(model, ModelKind.CAUSAL_LM, train, lr=3e-3)
 
-    after = training.evaluate_loss(model, ModelKind.CAUSAL_LM, held_out)
+    after = models.evaluate_loss(model, ModelKind.CAUSAL_LM, held_out)
     assert after < before - 1.0, (before, after)
 
 
@@ -62,11 +63,11 @@ def test_tiny_vit_from_its_dir_lowers_the_loss_on_shapes(tmp_path: Path) -> None
     model = models.build_model(_spec(ModelKind.VISION_CLASSIFICATION), model_dir)
     train = _batches(synthetic.shapes(512, seed=1).tensors, 16)
     held_out = _batches(synthetic.shapes(64, seed=2).tensors, 32)
-    before = training.evaluate_loss(model, ModelKind.VISION_CLASSIFICATION, held_out)
+    before = models.evaluate_loss(model, ModelKind.VISION_CLASSIFICATION, held_out)
 
     _train(model, ModelKind.VISION_CLASSIFICATION, train * 10, lr=3e-3)  # 320 steps, under a second
 
-    after = training.evaluate_loss(model, ModelKind.VISION_CLASSIFICATION, held_out)
+    after = models.evaluate_loss(model, ModelKind.VISION_CLASSIFICATION, held_out)
     assert after < before - 0.2, (before, after)
 
 
@@ -92,7 +93,8 @@ def make_mlp(width: int = 8) -> nn.Module:
 
 def test_torch_factory_builds_the_same_module_everywhere_and_trains_on_logits(tmp_path: Path) -> None:
     spec = _spec(ModelKind.TORCH, torch_factory=f"{__name__}:make_mlp", config_overrides={"width": "16"})
-    first, second = models.build_model(spec, None), models.build_model(spec, None)
+    allowed = [spec.torch_factory]
+    first, second = (models.build_model(spec, None, factories_allowed=allowed) for _ in range(2))
     assert isinstance(first, _Mlp) and first.net[0].out_features == 16
     for a, b in zip(first.parameters(), second.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -100,13 +102,13 @@ def test_torch_factory_builds_the_same_module_everywhere_and_trains_on_logits(tm
     gen = torch.Generator().manual_seed(0)
     features = torch.randn(64, 4, generator=gen)
     batch = {"features": features, "labels": (features[:, 0] > 0).long() + (features[:, 1] > 0).long()}
-    before = training.evaluate_loss(first, ModelKind.TORCH, [batch])
+    before = models.evaluate_loss(first, ModelKind.TORCH, [batch])
 
     _train(first, ModelKind.TORCH, [batch] * 40, lr=1e-2)
 
-    assert training.evaluate_loss(first, ModelKind.TORCH, [batch]) < before
+    assert models.evaluate_loss(first, ModelKind.TORCH, [batch]) < before
     out = models.save_model_dir(first, tmp_path / "out", spec)
-    reloaded = models.build_model(spec, out)
+    reloaded = models.build_model(spec, out, factories_allowed=[f"{__name__}:*"])
     assert models.has_pretrained_weights(spec, out)
     for a, b in zip(first.parameters(), reloaded.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -204,6 +206,36 @@ def test_trainer_state_round_trips_model_optimizer_and_round(tmp_path: Path) -> 
         for name, value in values.items():
             assert torch.equal(value, loaded["state"][key][name])
     assert len(list(tmp_path.glob("model-*.safetensors"))) == 1
+
+
+def test_a_snapshot_written_later_holds_the_state_of_when_it_was_taken(tmp_path: Path) -> None:
+    # Prepare: one step, the snapshot and what it must hold, then training goes on before the write.
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    optimizer = training.make_inner_optimizer(model, InnerSettings(lr=1e-2))
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        optimizer.step()
+
+    step()
+    model_state, optimizer_state = training.snapshot_trainer_state(model, optimizer)
+    expected = {n: t.clone() for n, t in model.state_dict().items()}
+    expected_avg = {k: v["exp_avg"].clone() for k, v in optimizer.state_dict()["state"].items()}
+    step()  # the live tensors move on while the copy waits for its thread
+
+    # Execute
+    training.write_trainer_state(tmp_path, model_state, optimizer_state, training.TrainerState(3, 8))
+
+    # Assert
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fresh_optimizer = training.make_inner_optimizer(fresh, InnerSettings(lr=1e-2))
+    assert training.load_trainer_state(tmp_path, fresh, fresh_optimizer) == training.TrainerState(3, 8)
+    assert all(torch.equal(fresh.state_dict()[n], t) for n, t in expected.items())
+    assert not torch.equal(fresh.state_dict()["0.weight"], model.state_dict()["0.weight"])
+    loaded = fresh_optimizer.state_dict()["state"]
+    assert all(torch.equal(loaded[k]["exp_avg"], v) for k, v in expected_avg.items())
 
 
 def test_no_trainer_checkpoint_means_a_fresh_start(tmp_path: Path) -> None:

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import grpc
 
+from hypha.datasets.format import Dataset
 from hypha.net.auth import peer_identity
 from hypha.net.connector import PeerConnector
 from hypha.net.relay import Relay
-from hypha.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from hypha.v1 import common_pb2, data_pb2, data_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.gateway.conftest import Mesh, until
 
 BLOB = bytes(range(256)) * (5 * 1024 * 1024 // 256 + 123)  # ~5 MiB, not a multiple of the chunk size
@@ -85,13 +88,81 @@ async def test_scheduler_calls_a_worker_without_address_through_the_relay(mesh: 
         reply = await peer_stub.PushTensors(push(), timeout=30)
         assert reply.message == hashlib.sha256(BLOB).hexdigest()
 
-        # The role policy holds through the relay too: a scheduler may not push tensors.
+        # The role policy holds through the relay too: a worker may not dispatch jobs.
         try:
-            await stub.PushTensors(push(), timeout=10)
-            raise AssertionError("scheduler pushed tensors")
+            await peer_stub.DispatchJob(worker_pb2.DispatchJobRequest(job_id="j"), timeout=10)
+            raise AssertionError("a worker dispatched a job")
         except grpc.aio.AioRpcError as err:
             assert err.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:
         await connector.close()
         for relay in (worker_relay, scheduler_relay, peer_relay):
             await relay.stop()
+
+
+def _attached_data_node(mesh: Mesh, gateway_address: str, data_dir: Path) -> tuple[Any, Dataset]:
+    """A real data node (``hypha.data.app.build``) serving a toy dataset, attached to a gateway."""
+    from hypha.config.common import NetConfig, TlsConfig
+    from hypha.data.app import build
+    from hypha.data.config import DataNodeSection, DataNodeSettings
+    from tests.data.test_serving import prepare
+
+    toy = prepare(data_dir)
+    mesh.pki.issue("data", "data0")
+    paths = mesh.pki.paths("data0")
+    settings = DataNodeSettings(
+        name="data0",
+        tls=TlsConfig(cert=paths.cert, key=paths.key, trust=paths.trust),
+        net=NetConfig(gateways=[gateway_address]),
+        data=DataNodeSection(data_dir=data_dir),
+    )
+    return build(settings, mesh.pki.tls("data0")), toy
+
+
+async def test_a_data_node_attaches_to_its_gateways_and_serves_through_the_relay(
+    mesh: Mesh, tmp_path: Path
+) -> None:
+    # Prepare: one gateway, a data node configured with it (net.gateways), a worker's link.
+    (gateway,) = await mesh.full_mesh(1)
+    node, _ = _attached_data_node(mesh, gateway.address, tmp_path / "data")
+    worker_link = await mesh.add_link("worker", "reader", [gateway.address])
+    worker_relay = Relay(worker_link)
+
+    # Execute: list the data node's datasets through the gateway, never dialling it.
+    async with node, worker_relay:
+        await until(lambda: node.peer_id in gateway.hub.sessions, "data node attached")
+        stub = data_pb2_grpc.DataNodeStub(worker_relay.channel(node.peer_id))
+        reply = await stub.ListDatasets(data_pb2.ListDatasetsRequest(), timeout=10)
+
+    # Assert
+    assert [d.name for d in reply.datasets] == ["toy"]
+
+
+async def test_a_worker_fetches_pinned_slices_from_a_data_node_it_can_reach_only_through_the_relay(
+    mesh: Mesh, tmp_path: Path
+) -> None:
+    """A relay-only worker (compose's ``worker-relay``, a VM behind NAT) gets its slices: the
+    worker's slice fetcher takes its channels from the node's connector, direct else relayed."""
+    from hypha.worker.fetcher import ProviderInfo, SliceFetcher
+
+    # Arrange: a data node attached to a gateway, known to the worker only by an address
+    # that never resolves (as the relay-only worker knows `data:7400`)
+    (gateway,) = await mesh.full_mesh(1)
+    node, toy = _attached_data_node(mesh, gateway.address, tmp_path / "data")
+    worker_link = await mesh.add_link("worker", "reader", [gateway.address])
+    worker_relay = Relay(worker_link)
+    connector = PeerConnector(mesh.pki.tls("reader"), worker_relay, connect_timeout_s=2.0)
+    provider = ProviderInfo(node.peer_id, ("unresolvable.invalid:7400",), toy.manifest.digest())
+
+    # Execute
+    async with node, worker_relay:
+        await until(lambda: node.peer_id in gateway.hub.sessions, "data node attached")
+        try:
+            async with SliceFetcher(mesh.pki.tls("reader"), tmp_path / "cache", peers=connector) as fetcher:
+                fetched = [await fetcher.fetch("toy", i, [provider]) for i in range(2)]
+        finally:
+            await connector.close()
+
+    # Assert: the pinned manifest and both slices came through the gateway, verified
+    assert [p.read_bytes() for p in fetched] == [toy.slice_path(i).read_bytes() for i in range(2)]
+    assert connector.is_direct(node.peer_id) is None or not connector.is_direct(node.peer_id)

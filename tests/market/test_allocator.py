@@ -220,3 +220,32 @@ def test_lease_book_rejects_duplicates_and_counts_by_worker() -> None:
     assert book.count_by_worker() == {"w-a": 2, "w-b": 1}
     assert book.release("l2") is not None
     assert len(book) == 2
+
+
+def test_a_late_offer_for_an_earlier_round_of_the_same_need_counts() -> None:
+    alloc = Allocation(
+        "req-2",
+        NEED,
+        2,
+        PriceRange(bid=1.0, max=5.0),
+        window_ends_at=T0 + 5,
+        earlier=frozenset({"req-1"}),
+    )
+
+    assert alloc.offer(offer("w-late", request_id="req-1"), T0)  # answered the first round, late
+    assert alloc.offer(offer("w-now", request_id="req-2"), T0)
+    assert not alloc.offer(offer("w-other", request_id="req-9"), T0)
+
+    assert alloc.dropped == {"request": 1}
+    assert sorted(o.worker_id for o in alloc.choose(T0).winners) == ["w-late", "w-now"]
+
+
+def test_answered_counts_workers_that_could_serve_even_late_but_not_refusals() -> None:
+    alloc = allocation(count=3, max_price=2.0)
+
+    assert alloc.offer(offer("w-ok"), T0)
+    assert not alloc.offer(offer("w-dear", price=3.0), T0)  # could not serve: priced out
+    assert not alloc.offer(offer("w-lapsed", expires_at=T0), T0)  # its reservation lapsed in transit
+    assert not alloc.offer(offer("w-late"), T0 + 6)  # after the window
+
+    assert alloc.answered == {"w-ok", "w-lapsed", "w-late"}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import math
+from dataclasses import replace
 
 import pytest
 
 from hypha.errors import ConfigError, InvalidArgumentError
-from hypha.market.arbiter import AdvertisementView, Arbiter, ArbiterConfig, OfferStrategy
+from hypha.market.arbiter import AdvertisementView, Arbiter, ArbiterConfig, DropReason, OfferStrategy
 from hypha.market.leases import LeaseLedger, LeaseState
 from hypha.market.resources import ExecutorKind, Requirements, Resources
 from hypha.v1 import common_pb2
@@ -280,3 +282,46 @@ def test_offer_decision_to_proto() -> None:
     assert Resources.from_proto(msg.capacity) == CAPACITY
     assert msg.executor == common_pb2.EXECUTOR_KIND_TASK
     assert msg.expires_at.ToNanoseconds() == round(decision.expires_at * 1e9)
+
+
+def test_an_advertisement_for_a_share_of_the_pool_is_answered_only_by_lottery_winners() -> None:
+    draws = iter([0.30, 0.10])
+    ledger = LeaseLedger(CAPACITY, new_id=lambda: f"lease-{next(_ids)}")
+    arbiter = Arbiter(ledger, ArbiterConfig(price=10.0, floor=0.5), draw=lambda: next(draws))
+    sampled = replace(ad("r-lost"), offer_probability=0.25)
+
+    assert arbiter.add(sampled, T0) is False  # drew 0.30 >= 0.25: this worker stays silent
+    assert arbiter.pending() == 0 and arbiter.decide_at() is None  # no window opened for it
+    assert arbiter.dropped[DropReason.SAMPLED] == 1
+
+    assert arbiter.add(replace(sampled, request_id="r-won"), T0) is True  # drew 0.10
+    assert [d.request_id for d in arbiter.decide(T0 + 1.0)] == ["r-won"]
+
+
+def test_an_advertisement_for_everyone_draws_no_lottery() -> None:
+    def no_draw() -> float:
+        raise AssertionError("drew a lottery for an advertisement to everyone")
+
+    arbiter = Arbiter(LeaseLedger(CAPACITY), ArbiterConfig(price=10.0, floor=0.5), draw=no_draw)
+
+    assert arbiter.add(ad("r1"), T0) is True
+
+
+@pytest.mark.parametrize(
+    ("wire", "seen"),
+    [(0.0, 1.0), (0.25, 0.25), (1.0, 1.0), (7.0, 1.0), (-0.5, 1.0), (math.nan, 1.0), (math.inf, 1.0)],
+)
+def test_offer_probability_on_the_wire(wire: float, seen: float) -> None:
+    # Unset (an older scheduler) or out of range means everyone: a bad value can only widen the audience.
+    msg = ad("r1").to_proto()
+    msg.offer_probability = wire
+
+    assert AdvertisementView.from_proto(msg, scheduler_id="sched-a").offer_probability == seen
+
+
+def test_offer_probability_round_trips() -> None:
+    original = replace(ad("r1"), offer_probability=0.125)
+
+    assert original.to_proto().offer_probability == 0.125
+    assert AdvertisementView.from_proto(original.to_proto(), scheduler_id="sched-a") == original
+    assert ad("r2").to_proto().offer_probability == 0.0  # everyone: the field stays unset

@@ -70,7 +70,12 @@ def test_unknown_policy_names_the_valid_ones() -> None:
 
 
 def test_registry_gives_each_caller_its_own_state() -> None:
-    assert get_policy("round-robin") is not get_policy("round-robin")
+    pool = [offer("w-a", 1.0, GPU), offer("w-b", 1.0, GPU), offer("w-c", 1.0, GPU)]
+    first = get_policy("round-robin")
+    assert ids(first.select(pool, 1)) == ["w-a"]
+    assert ids(first.select(pool, 1)) == ["w-b"]  # the rotation moved on for this caller...
+    # ...but not for a new one: a shared cursor would start it after w-b.
+    assert ids(get_policy("round-robin").select(pool, 1)) == ["w-a"]
 
 
 def test_price_performance_takes_most_capacity_per_token() -> None:

@@ -7,13 +7,8 @@ import math
 import pytest
 
 from hypha.errors import InvalidArgumentError
-from hypha.market.resources import (
-    ExecutorKind,
-    Requirements,
-    Resources,
-    seconds_from_timestamp,
-    timestamp_from_seconds,
-)
+from hypha.market.resources import ExecutorKind, Requirements, Resources
+from hypha.timestamps import to_seconds, to_timestamp
 from hypha.v1 import common_pb2
 
 
@@ -113,6 +108,7 @@ def test_requirements_without_executor_are_rejected() -> None:
         (ExecutorKind.DILOCO_TRAINER, common_pb2.EXECUTOR_KIND_DILOCO_TRAINER),
         (ExecutorKind.PARAMETER_SERVER, common_pb2.EXECUTOR_KIND_PARAMETER_SERVER),
         (ExecutorKind.TASK, common_pb2.EXECUTOR_KIND_TASK),
+        (ExecutorKind.INFERENCE, common_pb2.EXECUTOR_KIND_INFERENCE),
     ],
 )
 def test_executor_kind_maps_to_proto_both_ways(kind: ExecutorKind, value: int) -> None:
@@ -121,16 +117,16 @@ def test_executor_kind_maps_to_proto_both_ways(kind: ExecutorKind, value: int) -
 
 
 def test_executor_kind_names_match_the_job_file_names() -> None:
-    assert [k.value for k in ExecutorKind] == ["diloco-trainer", "parameter-server", "task"]
+    assert [k.value for k in ExecutorKind] == ["diloco-trainer", "parameter-server", "task", "inference"]
     assert ExecutorKind.parse("task") is ExecutorKind.TASK
-    with pytest.raises(InvalidArgumentError, match="diloco-trainer, parameter-server, task"):
+    with pytest.raises(InvalidArgumentError, match="diloco-trainer, parameter-server, task, inference"):
         ExecutorKind.parse("gpu-thing")
     with pytest.raises(InvalidArgumentError):
         ExecutorKind.from_proto(common_pb2.EXECUTOR_KIND_UNSPECIFIED)
 
 
 def test_timestamp_round_trip_keeps_sub_second_precision() -> None:
-    assert seconds_from_timestamp(timestamp_from_seconds(1_700_000_000.25)) == pytest.approx(1_700_000_000.25)
+    assert to_seconds(to_timestamp(1_700_000_000.25)) == pytest.approx(1_700_000_000.25)
 
 
 def test_quantities_must_be_numbers() -> None:

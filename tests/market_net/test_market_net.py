@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from hypha.net.messages import WORKER_TOPIC
 from hypha.scheduler.app import SchedulerNode
 from hypha.scheduler.app import build as build_scheduler
 from hypha.scheduler.config import SchedulerSettings
-from hypha.scheduler.market import LeaseEventKind
+from hypha.scheduler.lease_keeper import LeaseEventKind
 from hypha.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from hypha.worker import resources
 from hypha.worker.app import WorkerNode
@@ -65,7 +65,10 @@ class Market:
         self, name: str, gateway: int = 0, net: dict[str, Any] | None = None, **worker: Any
     ) -> WorkerNode:
         self.pki.issue("worker", name)
-        settings = WorkerSettings(**self._base(name, gateway, net), worker={"resources": MACHINE, **worker})
+        work_dir = self.pki.dir.parent / f"work-{name}"  # beside the PKI in the test's tmp dir
+        settings = WorkerSettings(
+            **self._base(name, gateway, net), worker={"resources": MACHINE, "work_dir": work_dir, **worker}
+        )
         node = build_worker(settings, self.pki.tls(name))
         return await self._start(node)
 
@@ -92,18 +95,6 @@ class Market:
     async def close(self) -> None:
         for node in reversed(self.nodes):
             await node.stop()
-
-
-@pytest.fixture
-async def market(pki: Pki) -> AsyncIterator[Market]:
-    mesh = Mesh(pki)
-    world = Market(mesh)
-    try:
-        await mesh.full_mesh(2)
-        yield world
-    finally:
-        await world.close()
-        await mesh.close()
 
 
 def live(worker: WorkerNode) -> list[Any]:
@@ -143,11 +134,16 @@ async def test_a_scheduler_leases_n_workers_through_the_gateways(market: Market,
     assert status.leases[0].state == common_pb2.LEASE_STATE_ACTIVE
     assert Resources.from_proto(status.free) == CAPACITY - held[0].resources
 
-    # And the scheduler lists what it holds.
+    # And the scheduler lists every worker that offered, leased or idle, by certificate name.
     async with secure_channel(pki.tls("client"), scheduler.address) as ch:
         listed = await scheduler_pb2_grpc.SchedulerStub(ch).ListWorkers(scheduler_pb2.ListWorkersRequest())
-    assert sorted(view.peer.peer_id for view in listed.workers) == sorted(lease.worker_id for lease in held)
+    views = {view.peer.peer_id: view for view in listed.workers}
+    assert set(views) == set(by_peer)
+    assert {view.peer.name for view in listed.workers} == {f"w-n{i}" for i in range(4)}
+    assert sorted(i for i, view in views.items() if view.leases) == sorted(lease.worker_id for lease in held)
+    assert not views[idle[0].peer_id].leases and views[idle[0].peer_id].job_id == ""
     assert all(Resources.from_proto(view.capacity) == CAPACITY for view in listed.workers)
+    assert all(abs(view.last_seen.seconds - time.time()) < 60 for view in listed.workers)
 
 
 async def test_offers_above_the_max_are_ignored_and_freed(market: Market) -> None:
@@ -223,6 +219,31 @@ async def test_leases_are_renewed_past_their_ttl_and_released_on_stop(market: Ma
     await scheduler.stop()
     assert worker.market.ledger.get(held.lease_id).state is LeaseState.RELEASED
     assert worker.market.ledger.free() == CAPACITY
+
+
+async def test_a_restarted_scheduler_takes_back_the_leases_it_held(market: Market) -> None:
+    # Prepare: a held lease the scheduler then forgets, as a process that died and came back.
+    worker = await market.worker("w-adopt")
+    scheduler = await market.scheduler("s-adopt", lease_ttl_s=2.0)
+    await market.workers_listening(1)
+    (held,) = await scheduler.market.allocate(TASK, 1)
+    addresses = scheduler.market.worker_addresses(held.worker_id)
+    scheduler.market.book.release(held.lease_id)
+
+    # Execute
+    adopted = await scheduler.market.adopt(held, addresses, CAPACITY)
+    gone = await scheduler.market.adopt(replace(held, lease_id="no-such-lease"), addresses)
+
+    # Assert: renewed (a later expiry), held and renewed on from then on; an unknown one is refused.
+    assert adopted is not None and adopted.expires_at > held.expires_at
+    assert held.lease_id in scheduler.market.book and gone is None
+    started = time.monotonic()
+    await eventually(
+        lambda: time.monotonic() - started > 2.5 and scheduler.market.stats["renewed"] >= 1,
+        timeout=6,
+        message="renewed past its first life",
+    )
+    assert worker.market.ledger.get(held.lease_id).state is LeaseState.ACTIVE
 
 
 async def test_advertisements_from_non_schedulers_and_malformed_ones_are_counted(market: Market) -> None:

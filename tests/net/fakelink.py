@@ -35,12 +35,14 @@ class FakeNetwork:
         self.links[peer_id] = link
         return link
 
-    async def deliver(self, message: Message, to_peer: str) -> None:
+    async def deliver(self, message: Message, to_peer: str) -> bool:
+        """False when no link ``to_peer`` exists (the sender then hears PEER_UNKNOWN)."""
         target = self.links.get(to_peer)
         if target is None:
-            return  # a gateway answers PEER_UNKNOWN out of band; the frame is gone
+            return False
         for item in self.tamper(message) if self.tamper else [message]:
             await target.receive(item)
+        return True
 
 
 class _Inbox:
@@ -68,12 +70,14 @@ class FakeLink:
         self._queues: dict[str, asyncio.Queue[Message | None]] = {}
         #: Every relay frame this link sent: (to_peer, frame).
         self.sent: list[tuple[str, gateway_pb2.RelayFrame]] = []
+        #: As ``NodeLink.on_error``: told of each frame "the gateway" could not deliver.
+        self.on_error: list[Callable[[gateway_pb2.GatewayError], bool]] = []
 
     @property
     def peer_id(self) -> str:
         return self._peer_id
 
-    async def send(self, to_peer: str, payload: bytes, channel: str) -> None:
+    async def send(self, to_peer: str, payload: bytes, channel: str, message_id: str | None = None) -> str:
         if self.down:
             raise UnavailableError("gateway link down")
         with contextlib.suppress(DecodeError):
@@ -83,10 +87,22 @@ class FakeLink:
             from_role=self.role,
             topic=channel,
             payload=payload,
-            message_id=uuid.uuid4().hex,
+            message_id=message_id or uuid.uuid4().hex,
             direct=True,
         )
-        await self._network.deliver(message, to_peer)
+        if not await self._network.deliver(message, to_peer):
+            # A gateway answers out of band, after the send returned: the same for the fake.
+            error = gateway_pb2.GatewayError(
+                code=gateway_pb2.ERROR_CODE_PEER_UNKNOWN,
+                message=f"cannot deliver to {to_peer}",
+                message_id=message.message_id,
+            )
+            asyncio.get_running_loop().call_soon(self._refused, error)
+        return message.message_id
+
+    def _refused(self, error: gateway_pb2.GatewayError) -> None:
+        for callback in list(self.on_error):
+            callback(error)
 
     def direct(self, channel: str) -> AsyncIterator[Message]:
         queue: asyncio.Queue[Message | None] = asyncio.Queue(maxsize=self._network.queue_size)

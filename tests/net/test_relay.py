@@ -1,4 +1,10 @@
-"""Relayed calls over in-memory links: same stubs, same results, same status codes as direct calls."""
+"""Relayed calls: same stubs, same results, same status codes as direct calls.
+
+Most tests run over in-memory links (``fakelink``), which can drop, repeat and
+reorder frames. The ``@contract`` ones run twice: over the fake and over real
+node links through a real gateway, so the fake cannot drift from what it
+stands for.
+"""
 
 from __future__ import annotations
 
@@ -17,12 +23,14 @@ from hypothesis import strategies as st
 from hypha.errors import NotFoundError, UnavailableError
 from hypha.net.auth import peer_identity
 from hypha.net.connector import PeerConnector
+from hypha.net.link import NodeLink
 from hypha.net.messages import RELAY_CHANNEL, Message
 from hypha.net.relay import Relay, RelayChannel, RelayLimits
-from hypha.net.relay_client import FramesLostError, Sequencer
+from hypha.net.relay_client import SERVER_SIDE, FramesLostError, Sequencer, frame_message_id
 from hypha.net.server import NodeServer
 from hypha.pki.certs import load_cert_chain
 from hypha.pki.identity import PeerIdentity, Role, peer_id_of
+from hypha.testing.mesh import Mesh as GatewayMesh
 from hypha.v1 import common_pb2, data_pb2, data_pb2_grpc, gateway_pb2, worker_pb2, worker_pb2_grpc
 from tests.conftest import Pki
 from tests.helpers import eventually
@@ -115,13 +123,14 @@ async def push_chunks() -> AsyncIterator[worker_pb2.TensorChunk]:
 class Mesh:
     """A worker serving over the relay, and relays for a scheduler and another worker calling it."""
 
-    network: FakeNetwork
+    network: FakeNetwork | None  # None over a real gateway
     servicer: RecordingWorker
     server: Relay
-    server_link: FakeLink
+    server_link: FakeLink | NodeLink
     scheduler: Relay
-    scheduler_link: FakeLink
+    scheduler_link: FakeLink | NodeLink
     peer_worker: Relay
+    gateways: GatewayMesh | None = None
 
     def stub(self, relay: Relay) -> worker_pb2_grpc.WorkerStub:
         return worker_pb2_grpc.WorkerStub(relay.channel(self.server.peer_id))
@@ -141,12 +150,36 @@ async def make_mesh(limits: RelayLimits | None = None, scheduler_id: str = "sche
     return Mesh(network, servicer, server, server_link, scheduler, scheduler_link, peer_worker)
 
 
+async def make_gateway_mesh(pki: Pki) -> Mesh:
+    """The same three relays, on real node links attached to one real gateway."""
+    gateways = GatewayMesh(pki)
+    (gateway,) = await gateways.full_mesh(1)
+    tag = uuid.uuid4().hex[:8]
+    server_link = await gateways.add_link("worker", f"relay-server-{tag}", [gateway.address])
+    scheduler_link = await gateways.add_link("scheduler", f"relay-scheduler-{tag}", [gateway.address])
+    peer_link = await gateways.add_link("worker", f"relay-peer-{tag}", [gateway.address])
+    servicer = RecordingWorker()
+    server = Relay(server_link, grace_s=0.0)
+    server.serve([(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "hypha.v1.Worker")])
+    scheduler, peer_worker = Relay(scheduler_link), Relay(peer_link)
+    for relay in (server, scheduler, peer_worker):
+        await relay.start()
+    return Mesh(None, servicer, server, server_link, scheduler, scheduler_link, peer_worker, gateways)
+
+
 @pytest.fixture
-async def mesh() -> AsyncIterator[Mesh]:
-    m = await make_mesh()
+async def mesh(request: pytest.FixtureRequest, pki: Pki) -> AsyncIterator[Mesh]:
+    """Over in-memory links; over a real gateway too for ``@contract`` tests."""
+    m = await make_gateway_mesh(pki) if getattr(request, "param", "fake") == "gateway" else await make_mesh()
     yield m
     for relay in (m.server, m.scheduler, m.peer_worker):
         await relay.stop()
+    if m.gateways is not None:
+        await m.gateways.close()
+
+
+#: Runs the test over the fake links and over a real gateway.
+contract = pytest.mark.parametrize("mesh", ["fake", "gateway"], indirect=True)
 
 
 async def status_of(awaitable: object) -> tuple[grpc.StatusCode, str]:
@@ -171,7 +204,8 @@ async def test_relayed_unary_call_returns_the_same_response_as_a_direct_call(
     )
     await direct_server.start()
     try:
-        connector = PeerConnector(pki.tls("scheduler"), None)
+        # The in-memory mesh names its peers ("worker-peer"), so the direct server cannot be its id.
+        connector = PeerConnector(pki.tls("scheduler"), None, check_peer_id=False)
         direct = await connector.channel("worker-peer", [direct_server.address])
         # Execute
         via_direct = await worker_pb2_grpc.WorkerStub(direct).GetStatus(
@@ -188,10 +222,11 @@ async def test_relayed_unary_call_returns_the_same_response_as_a_direct_call(
     assert via_relay.peer_id == scheduler_id and via_relay.name == "scheduler"
 
 
+@contract
 async def test_relayed_caller_identity_is_the_gateway_stamped_sender(mesh: Mesh) -> None:
     lease = await mesh.stub(mesh.scheduler).RenewLease(worker_pb2.RenewLeaseRequest(lease_id="l1"), timeout=5)
     assert lease.lease_id == "l1"
-    assert lease.worker_id == "scheduler-peer"
+    assert lease.worker_id == mesh.scheduler.peer_id
 
 
 @pytest.mark.parametrize("queue_messages", [1, 8])
@@ -223,6 +258,7 @@ async def test_client_streaming_delivers_every_chunk_in_order(queue_messages: in
     assert reply.message == f"{hashlib.sha256(BLOB).hexdigest()}:6"
 
 
+@contract
 async def test_client_streaming_accepts_writes_without_an_iterator(mesh: Mesh) -> None:
     call = mesh.stub(mesh.peer_worker).PushTensors(timeout=5)
     async for item in push_chunks():
@@ -260,6 +296,7 @@ async def test_calls_survive_repeated_and_reordered_frames(mesh: Mesh) -> None:
 # ---- errors keep their status codes ------------------------------------------------
 
 
+@contract
 async def test_hypha_error_keeps_its_status_and_message(mesh: Mesh) -> None:
     code, details = await status_of(
         mesh.stub(mesh.scheduler).RenewLease(worker_pb2.RenewLeaseRequest(lease_id="missing"), timeout=5)
@@ -267,6 +304,7 @@ async def test_hypha_error_keeps_its_status_and_message(mesh: Mesh) -> None:
     assert (code, details) == (grpc.StatusCode.NOT_FOUND, "no such lease: missing")
 
 
+@contract
 async def test_unexpected_exception_becomes_a_sanitized_internal(mesh: Mesh) -> None:
     code, details = await status_of(
         mesh.stub(mesh.scheduler).RenewLease(worker_pb2.RenewLeaseRequest(lease_id="boom"), timeout=5)
@@ -275,6 +313,7 @@ async def test_unexpected_exception_becomes_a_sanitized_internal(mesh: Mesh) -> 
     assert "secret" not in details
 
 
+@contract
 async def test_context_abort_reaches_the_caller(mesh: Mesh) -> None:
     code, details = await status_of(
         mesh.stub(mesh.scheduler).RenewLease(worker_pb2.RenewLeaseRequest(lease_id="expired"), timeout=5)
@@ -282,16 +321,20 @@ async def test_context_abort_reaches_the_caller(mesh: Mesh) -> None:
     assert (code, details) == (grpc.StatusCode.FAILED_PRECONDITION, "lease expired")
 
 
+@contract
 async def test_wrong_role_is_permission_denied_before_the_handler_runs(mesh: Mesh) -> None:
-    # RenewLease is for schedulers; PushTensors is for workers.
+    # RenewLease and DispatchJob are for schedulers, never for a worker.
     code, _ = await status_of(
         mesh.stub(mesh.peer_worker).RenewLease(worker_pb2.RenewLeaseRequest(lease_id="l1"), timeout=5)
     )
     assert code == grpc.StatusCode.PERMISSION_DENIED
-    code, _ = await status_of(mesh.stub(mesh.scheduler).PushTensors(push_chunks(), timeout=5))
+    code, _ = await status_of(
+        mesh.stub(mesh.peer_worker).DispatchJob(worker_pb2.DispatchJobRequest(job_id="j1"), timeout=5)
+    )
     assert code == grpc.StatusCode.PERMISSION_DENIED
 
 
+@contract
 async def test_method_the_node_does_not_serve_is_unimplemented(mesh: Mesh) -> None:
     stub = data_pb2_grpc.DataNodeStub(mesh.scheduler.channel(mesh.server.peer_id))
     code, _ = await status_of(stub.ListDatasets(data_pb2.ListDatasetsRequest(), timeout=5))
@@ -327,10 +370,20 @@ async def test_oversized_request_is_refused_with_resource_exhausted(mesh: Mesh) 
     assert not any(frame.message for _, frame in mesh.network.links["other-worker"].sent)
 
 
+@contract
 async def test_oversized_response_is_refused_with_resource_exhausted(mesh: Mesh) -> None:
     call = mesh.stub(mesh.peer_worker).PullTensors(worker_pb2.PullTensorsRequest(kind="huge"), timeout=5)
     code, _ = await status_of(call.read())
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@contract
+async def test_a_call_to_a_peer_not_attached_fails_at_once_with_unavailable(mesh: Mesh) -> None:
+    # The gateway answers PEER_UNKNOWN (the fake does too): the call ends now, not at its deadline.
+    stub = worker_pb2_grpc.WorkerStub(mesh.scheduler.channel("absent-peer"))
+    code, details = await status_of(stub.GetStatus(worker_pb2.GetWorkerStatusRequest(), timeout=60))
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert "PEER_UNKNOWN" in details
 
 
 async def test_link_down_fails_the_call_with_unavailable(mesh: Mesh) -> None:
@@ -341,6 +394,23 @@ async def test_link_down_fails_the_call_with_unavailable(mesh: Mesh) -> None:
     assert code == grpc.StatusCode.UNAVAILABLE
 
 
+async def test_a_served_call_whose_caller_is_gone_stops_when_the_gateway_says_so(mesh: Mesh) -> None:
+    # Prepare: a stream being served, blocked after its first chunk.
+    call = mesh.stub(mesh.peer_worker).PullTensors(worker_pb2.PullTensorsRequest(kind="forever"), timeout=30)
+    assert (await call.read()).chunk.offset == 0
+    (served,) = mesh.server.server._calls.values()
+    # Execute: the gateway reports a response frame of it undeliverable (the caller left).
+    error = gateway_pb2.GatewayError(
+        code=gateway_pb2.ERROR_CODE_PEER_UNKNOWN, message_id=frame_message_id(SERVER_SIDE, served.serve_id, 1)
+    )
+    assert mesh.server.gateway_error(error)
+    # Assert: the handler is cancelled now, not at the call's deadline.
+    await asyncio.wait_for(mesh.servicer.cancelled.wait(), 5)
+    await eventually(lambda: mesh.server.server.active_calls == 0, timeout=5)
+    call.cancel()
+
+
+@contract
 async def test_lost_link_fails_calls_in_flight_at_once(mesh: Mesh) -> None:
     call = mesh.stub(mesh.scheduler).GetJobStatus(worker_pb2.GetJobStatusRequest(job_id="j"))
     await asyncio.wait_for(mesh.servicer.started.wait(), 5)
@@ -352,6 +422,7 @@ async def test_lost_link_fails_calls_in_flight_at_once(mesh: Mesh) -> None:
 # ---- deadlines and cancellation ----------------------------------------------------
 
 
+@contract
 async def test_deadline_exceeded_reaches_the_caller_and_cancels_the_handler(mesh: Mesh) -> None:
     code, _ = await status_of(
         mesh.stub(mesh.scheduler).GetJobStatus(worker_pb2.GetJobStatusRequest(job_id="j"), timeout=0.3)
@@ -363,6 +434,7 @@ async def test_deadline_exceeded_reaches_the_caller_and_cancels_the_handler(mesh
     assert mesh.scheduler.client.active_calls == 0
 
 
+@contract
 async def test_cancelling_a_stream_cancels_the_handler(mesh: Mesh) -> None:
     call = mesh.stub(mesh.peer_worker).PullTensors(worker_pb2.PullTensorsRequest(kind="forever"), timeout=10)
     first = await call.read()
@@ -390,6 +462,7 @@ async def test_cancelling_the_awaiting_task_cancels_the_handler(mesh: Mesh) -> N
     assert any(frame.cancel for _, frame in mesh.scheduler_link.sent)
 
 
+@contract
 async def test_stopping_the_serving_relay_ends_its_calls_with_unavailable(mesh: Mesh) -> None:
     call = mesh.stub(mesh.scheduler).GetJobStatus(worker_pb2.GetJobStatusRequest(job_id="j"), timeout=10)
     await asyncio.wait_for(mesh.servicer.started.wait(), 5)
@@ -399,6 +472,7 @@ async def test_stopping_the_serving_relay_ends_its_calls_with_unavailable(mesh: 
     assert mesh.servicer.cancelled.is_set()
 
 
+@contract
 async def test_calls_through_a_stopped_relay_fail_with_unavailable(mesh: Mesh) -> None:
     await mesh.scheduler.stop()
     code, _ = await status_of(
@@ -445,16 +519,18 @@ async def test_responses_from_another_peer_do_not_reach_a_call(mesh: Mesh) -> No
     call.cancel()
 
 
+@contract
 async def test_relay_channel_stands_in_for_a_grpc_channel(mesh: Mesh) -> None:
-    channel = mesh.scheduler.channel("worker-peer")
-    assert mesh.scheduler.channel("worker-peer") is channel
+    target = mesh.server.peer_id
+    channel = mesh.scheduler.channel(target)
+    assert mesh.scheduler.channel(target) is channel
     await channel.channel_ready()
     assert channel.get_state() == grpc.ChannelConnectivity.READY
     async with channel:
         pass
     with pytest.raises(grpc.aio.UsageError):
         worker_pb2_grpc.WorkerStub(channel).GetStatus(worker_pb2.GetWorkerStatusRequest())
-    assert mesh.scheduler.channel("worker-peer") is not channel
+    assert mesh.scheduler.channel(target) is not channel
 
 
 # ---- ordering ---------------------------------------------------------------------------
@@ -497,7 +573,9 @@ async def direct_server(pki: Pki) -> AsyncIterator[NodeServer]:
 async def test_connector_prefers_a_reachable_direct_address(
     pki: Pki, mesh: Mesh, direct_server: NodeServer
 ) -> None:
-    connector = PeerConnector(pki.tls("scheduler"), mesh.scheduler, connect_timeout_s=2.0)
+    connector = PeerConnector(
+        pki.tls("scheduler"), mesh.scheduler, connect_timeout_s=2.0, check_peer_id=False
+    )
     channel = await connector.channel("worker-peer", ["127.0.0.1:1", direct_server.address])
     assert not isinstance(channel, RelayChannel)
     assert connector.is_direct("worker-peer")
@@ -529,7 +607,9 @@ async def test_connector_redecides_after_the_direct_peer_goes_away(pki: Pki, mes
         [(worker_pb2_grpc.add_WorkerServicer_to_server, RecordingWorker(), "hypha.v1.Worker")],
     )
     await server.start()
-    connector = PeerConnector(pki.tls("scheduler"), mesh.scheduler, connect_timeout_s=0.5)
+    connector = PeerConnector(
+        pki.tls("scheduler"), mesh.scheduler, connect_timeout_s=0.5, check_peer_id=False
+    )
     direct = await connector.channel("worker-peer", [server.address])
     await server.stop(0)
     code, _ = await status_of(
@@ -546,10 +626,63 @@ async def test_connector_rechecks_a_relay_choice_after_a_while(
 ) -> None:
     now = [0.0]
     connector = PeerConnector(
-        pki.tls("scheduler"), mesh.scheduler, connect_timeout_s=0.5, relay_recheck_s=30, clock=lambda: now[0]
+        pki.tls("scheduler"),
+        mesh.scheduler,
+        connect_timeout_s=0.5,
+        relay_recheck_s=30,
+        clock=lambda: now[0],
+        check_peer_id=False,  # the in-memory mesh's peer names are not certificate ids
     )
     assert isinstance(await connector.channel("worker-peer", []), RelayChannel)
     assert isinstance(await connector.channel("worker-peer", [direct_server.address]), RelayChannel)
     now[0] = 31
     assert not isinstance(await connector.channel("worker-peer", [direct_server.address]), RelayChannel)
     await connector.close()
+
+
+# ---- bounds --------------------------------------------------------------------
+
+
+async def test_one_caller_cannot_take_every_relay_slot() -> None:
+    # Prepare: eight slots in all, two per caller; a worker holds two streams open.
+    m = await make_mesh(RelayLimits(max_concurrent_calls=8, max_calls_per_peer=2))
+    worker_stub, scheduler_stub = m.stub(m.peer_worker), m.stub(m.scheduler)
+    try:
+        held = [
+            worker_stub.PullTensors(worker_pb2.PullTensorsRequest(kind="forever"), timeout=10)
+            for _ in range(2)
+        ]
+        for call in held:
+            await call.read()
+        # Execute: a third call of the same worker, and one of another peer.
+        third = worker_stub.PullTensors(worker_pb2.PullTensorsRequest(kind="forever"), timeout=10)
+        code, details = await status_of(third.read())
+        reply = await scheduler_stub.GetStatus(worker_pb2.GetWorkerStatusRequest(), timeout=5)
+        for call in held:
+            call.cancel()
+    finally:
+        for relay in (m.server, m.scheduler, m.peer_worker):
+            await relay.stop()
+    # Assert
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "net.relay_max_calls_per_peer" in details
+    assert reply.peer_id == "scheduler-peer"
+    assert m.server.server.refusals == {"peer_busy": 1}
+
+
+@pytest.mark.parametrize("timeout", [None, 60.0])
+async def test_a_relayed_call_never_runs_past_the_servers_cap(timeout: float | None) -> None:
+    # Prepare: the serving node caps relayed calls at 0.3 s; the caller sets no deadline, or a longer one.
+    m = await make_mesh(RelayLimits(max_call_s=0.3))
+    try:
+        # Execute
+        async with asyncio.timeout(5):
+            code, _ = await status_of(
+                m.stub(m.scheduler).GetJobStatus(worker_pb2.GetJobStatusRequest(job_id="j"), timeout=timeout)
+            )
+        await asyncio.wait_for(m.servicer.cancelled.wait(), 5)
+    finally:
+        for relay in (m.server, m.scheduler, m.peer_worker):
+            await relay.stop()
+    # Assert: the server's deadline ended it, and the handler saw that deadline.
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert m.servicer.time_remaining is not None and 0 < m.servicer.time_remaining <= 0.3

@@ -121,6 +121,26 @@ def test_node_with_key_keeps_the_peer_id(pki: Path, capsys: pytest.CaptureFixtur
     assert renewed["peer id"] == first["peer id"] != other["peer id"]
 
 
+def test_node_refuses_to_replace_an_existing_key_without_force(
+    pki: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Prepare: w1 issued once.
+    args = ["node", *org_args(pki), "--role", "worker", "--name", "w1", "--out", str(pki)]
+    first = fields(run_ok(capsys, *args))["peer id"]
+    key_before = (pki / "w1-key.pem").read_bytes()
+
+    # Execute / Assert: again without --force is refused and changes nothing ...
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "w1-key.pem already exists" in err and "new peer id" in err and "--force" in err
+    assert (pki / "w1-key.pem").read_bytes() == key_before
+    # ... renewal with the same key in place is allowed and keeps the peer id ...
+    renewed = fields(run_ok(capsys, *args, "--key", str(pki / "w1-key.pem")))["peer id"]
+    assert renewed == first and (pki / "w1-key.pem").read_bytes() == key_before
+    # ... and --force replaces the key: a new peer.
+    assert fields(run_ok(capsys, *args, "--force"))["peer id"] != first
+
+
 def test_revoke_then_crl_list_the_serial(pki: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_ok(capsys, "node", *org_args(pki), "--role", "client", "--name", "c1", "--out", str(pki))
     crl_path = pki / "crl.pem"

@@ -1,4 +1,5 @@
-"""Job files: seed 000's shape and our [job] table parse into a JobSpec; every mistake names its key."""
+"""Job files: our [job] table and the reference scheduler config's [scheduler.job] parse into a
+JobSpec; every mistake names its key."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import textwrap
 import pytest
 
 from hypha.errors import InvalidArgumentError
-from hypha.scheduler.jobfile import Defaults, normalize_spec, parse_job_table, parse_job_toml
+from hypha.jobfile import Defaults, normalize_spec, parse_job_table, parse_job_toml
 from hypha.v1 import common_pb2
 
 SEED_000 = """
@@ -138,7 +139,11 @@ def test_job_table_gets_defaults_for_what_it_leaves_out() -> None:
         and d.outer_optimizer.momentum == Defaults.MOMENTUM
     )
     assert d.inner_optimizer.weight_decay == Defaults.WEIGHT_DECAY
-    assert d.delta_dtype == common_pb2.DELTA_DTYPE_FP32
+    assert d.delta_dtype == common_pb2.DELTA_DTYPE_FP32 and d.streaming_fragments == 0
+    streaming = parse_job_toml(
+        DILOCO.replace("max_batch_size = 16", "max_batch_size = 16\nstreaming_fragments = 4")
+    )
+    assert streaming.diloco.streaming_fragments == 4
     assert d.worker_price.bid == 0 and d.worker_price.max == 0  # 0: the scheduler's default
 
 
@@ -199,7 +204,14 @@ def test_malformed_resources_name_the_dotted_key(resources: str, expected: str) 
             "job.max_batch_size: must be at least",
         ),
         (("max_batch_size = 16", "quorum = 2.0"), "job.quorum: must be in (0, 1]"),
-        (("max_batch_size = 16", 'delta_dtype = "int8"'), "job.delta_dtype: unknown dtype"),
+        (("max_batch_size = 16", 'delta_dtype = "int4"'), "job.delta_dtype: unknown dtype"),
+        (("max_batch_size = 16", "delta_topk = 1.5"), "job.delta_topk: must be 0 (off) or in"),
+        (("max_batch_size = 16", 'delta_topk = "half"'), "job.delta_topk: must be a number"),
+        (
+            ("max_batch_size = 16", "streaming_fragments = 5000"),
+            "job.streaming_fragments: must be 0 (off) or",
+        ),
+        (("max_batch_size = 16", "streaming_fragments = 2.5"), "job.streaming_fragments: must be an integer"),
         (("max_batch_size = 16", 'selection_policy = "cheapest"'), "job.selection_policy: unknown selection"),
         (('type = "causal-lm"', 'type = "gan"'), "job.model.type: unknown model type"),
         (('local_path = "/models/tiny"', 'repo = "x/y"'), "job.model.repo: unknown key"),
@@ -294,3 +306,110 @@ def test_a_parsed_spec_is_already_normal(text: str) -> None:
 def test_job_file_size_is_bounded() -> None:
     with pytest.raises(InvalidArgumentError, match="larger than"):
         parse_job_toml(textwrap.dedent(DILOCO) + "#" * 300_000)
+
+
+def test_task_files_and_outputs_are_parsed_and_must_stay_relative() -> None:
+    spec = parse_job_toml('[job]\ncommand = "python3"\nfiles = ["train.py", "data/"]\noutputs = ["out/"]\n')
+    assert list(spec.task.files) == ["train.py", "data/"]
+    assert list(spec.task.outputs) == ["out/"]
+    with pytest.raises(InvalidArgumentError, match=r"^job\.outputs\[0\]: '\.\./x'"):
+        parse_job_toml('[job]\ncommand = "x"\noutputs = ["../x"]\n')
+    with pytest.raises(InvalidArgumentError, match=r"^job\.files\[1\]: '/etc'"):
+        parse_job_toml('[job]\ncommand = "x"\nfiles = ["a", "/etc"]\n')
+
+
+def test_a_relative_model_local_path_is_refused_naming_the_key() -> None:
+    toml = '[job]\ndataset = "d"\n[job.model]\nlocal_path = "models/tiny"\n'
+    with pytest.raises(
+        InvalidArgumentError, match=r"^job\.model\.local_path: 'models/tiny' must be absolute"
+    ):
+        parse_job_toml(toml)
+    assert (
+        parse_job_toml(toml.replace("models/tiny", "/models/tiny")).diloco.model.local_path == "/models/tiny"
+    )
+
+
+# ---- inference jobs ----------------------------------------------------------------------
+
+INFERENCE = """
+[job]
+kind = "inference"
+name = "sums"
+dataset = "arithmetic"
+max_samples = 100
+batch_size = 32
+resources = { cpu = 1, memory_gb = 1 }
+price = { bid = 1.0, max = 2.0 }
+[job.model]
+local_path = "/models/arithmetic"
+type = "causal-lm"
+"""
+
+
+def test_inference_job_parses_its_model_dataset_and_resources() -> None:
+    spec = parse_job_toml(INFERENCE)
+    i = spec.inference
+    assert spec.WhichOneof("kind") == "inference" and spec.name == "sums"
+    assert i.dataset == "arithmetic" and i.max_samples == 100 and i.batch_size == 32
+    assert i.model.local_path == "/models/arithmetic" and i.model.type == common_pb2.MODEL_TYPE_CAUSAL_LM
+    assert i.requirements.executor == common_pb2.EXECUTOR_KIND_INFERENCE
+    assert i.requirements.minimum.cpu == 1 and (i.price.bid, i.price.max) == (1.0, 2.0)
+    assert normalize_spec(spec) == spec
+
+
+def test_inference_kind_is_inferred_from_model_job_or_inputs() -> None:
+    spec = parse_job_toml(
+        '[job]\nmodel_job = "j1"\ninputs = [{ prompt = "012+035=", answer = "74" }, { prompt = "1+1=" }]'
+    )
+    i = spec.inference
+    assert i.model_job == "j1" and i.model.type == common_pb2.MODEL_TYPE_CAUSAL_LM
+    assert [(x.prompt, x.answer) for x in i.inputs] == [("012+035=", "74"), ("1+1=", "")]
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (('dataset = "arithmetic"', ""), "job.dataset: missing: set dataset or inputs"),
+        (
+            ('dataset = "arithmetic"', 'dataset = "a"\ninputs = [{ prompt = "x" }]'),
+            "job.inputs: set dataset or inputs, not both",
+        ),
+        (('local_path = "/models/arithmetic"', ""), "job.model_job: missing"),
+        (
+            ('name = "sums"', 'name = "sums"\nmodel_job = "j1"'),
+            "job.model_job: set model_job or model.repository/model.local_path, not both",
+        ),
+        (('local_path = "/models/arithmetic"', 'local_path = "models"'), "job.model.local_path: "),
+        (("batch_size = 32", "batch_size = 0"), "job.batch_size: must be at least 1"),
+        (("max_samples = 100", "max_samples = -1"), "job.max_samples: must not be negative"),
+        (("max_samples = 100", 'max_samples = "all"'), "job.max_samples: must be an integer"),
+        (("max_samples = 100", "max_new_tokens = 99999"), "job.max_new_tokens: at most"),
+        (("max_samples = 100", "samples = 5"), "job.samples: unknown key"),
+        (('dataset = "arithmetic"', 'inputs = [{ answer = "1" }]'), "job.inputs[0].prompt: missing"),
+        (('dataset = "arithmetic"', "inputs = 3"), "job.inputs: must be a list"),
+        (('type = "causal-lm"', 'type = "llm"'), "job.model.type: unknown model type 'llm'"),
+        (("resources = { cpu = 1, memory_gb = 1 }", "resources = { kind = 'task' }"), "job.resources.kind"),
+    ],
+)
+def test_malformed_inference_jobs_name_the_dotted_key(edit: tuple[str, str], expected: str) -> None:
+    old, new = edit
+    assert old in INFERENCE
+    with pytest.raises(InvalidArgumentError) as info:
+        parse_job_toml(INFERENCE.replace(old, new, 1))
+    assert info.value.message.startswith(expected), info.value.message
+
+
+def test_inline_inputs_need_a_causal_lm_and_structured_specs_are_checked_by_proto_field() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"^job\.inputs: inline inputs are prompts"):
+        parse_job_toml(
+            '[job]\nmodel_job = "j1"\ninputs = [{ prompt = "x" }]\n'
+            '[job.model]\ntype = "vision-classification"'
+        )
+    spec = common_pb2.JobSpec(
+        inference=common_pb2.InferenceJobSpec(model_job="j1", dataset="d", model_bundle_sha256="forged")
+    )
+    normalized = normalize_spec(spec).inference
+    assert normalized.batch_size > 0 and normalized.model_bundle_sha256 == ""
+    assert normalized.requirements.executor == common_pb2.EXECUTOR_KIND_INFERENCE
+    with pytest.raises(InvalidArgumentError, match=r"^spec\.inference\.dataset: missing"):
+        normalize_spec(common_pb2.JobSpec(inference=common_pb2.InferenceJobSpec(model_job="j1")))

@@ -1,4 +1,4 @@
-"""Orchestration edges that need no cluster: who may report on a job, results pulled intact.
+"""Orchestration edges that need no cluster: who may report on a job, and how a job is traced.
 
 The whole path (market, dispatch, executors, rounds, replacement) runs in
 ``tests/e2e``; these pin the rules a real cluster rarely exercises.
@@ -12,27 +12,26 @@ from typing import Any
 
 import pytest
 
-from hypha.errors import DataLossError, NotFoundError, PermissionDeniedError
+from hypha.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnavailableError,
+)
+from hypha.scheduler import elastic
 from hypha.scheduler.config import SchedulerSection
-from hypha.scheduler.control import SchedulerControlServicer
+from hypha.scheduler.control_servicer import SchedulerControlServicer
+from hypha.scheduler.diloco_job import DilocoRun
 from hypha.scheduler.lifecycle import JobState
-from hypha.scheduler.orchestrator import Orchestrator, _attempt_end, _write_files
+from hypha.scheduler.orchestrator import Orchestrator
+from hypha.scheduler.rounds import round_planners
 from hypha.scheduler.store import JobStore
-from hypha.scheduler.tasks import Outcome
-from hypha.tensors.chunks import split_payload
-from hypha.v1 import common_pb2, scheduler_pb2, worker_pb2
+from hypha.v1 import common_pb2, scheduler_pb2
 from tests.conftest import Pki
 from tests.helpers import eventually
 
 TASK = common_pb2.JobSpec(name="t", task=common_pb2.TaskJobSpec(command="true"))
-
-
-def result_stream(files: dict[str, bytes], *, corrupt: str = "") -> Iterator[worker_pb2.TensorChunk]:
-    for name, data in files.items():
-        for chunk in split_payload(data, chunk_size=4, metadata={"path": name}):
-            if name == corrupt and chunk.last:
-                chunk.sha256 = "0" * 64
-            yield worker_pb2.TensorChunk(job_id="j", kind="result", chunk=chunk)
 
 
 async def aiter(items: Iterator[Any]) -> AsyncIterator[Any]:
@@ -40,38 +39,17 @@ async def aiter(items: Iterator[Any]) -> AsyncIterator[Any]:
         yield item
 
 
-async def test_result_files_are_written_only_when_their_checksum_matches(tmp_path: Path) -> None:
-    files = {"config.json": b'{"a": 1}', "model.safetensors": b"0123456789abcdef"}
-
-    written = await _write_files(aiter(result_stream(files)), tmp_path / "ok")
-
-    assert {p.name: p.read_bytes() for p in written} == files
-    with pytest.raises(DataLossError):
-        await _write_files(aiter(result_stream(files, corrupt="model.safetensors")), tmp_path / "bad")
-    assert not (tmp_path / "bad" / "model.safetensors").exists()
-
-
-async def test_a_result_file_may_not_escape_the_result_dir(tmp_path: Path) -> None:
-    with pytest.raises(PermissionDeniedError):
-        await _write_files(aiter(result_stream({"../evil": b"x"})), tmp_path / "r")
-    assert not (tmp_path / "evil").exists()
-
-
-def test_a_cancel_the_worker_made_itself_counts_as_a_lost_worker() -> None:
-    cancelled = _attempt_end(scheduler_pb2.EXECUTION_STATE_REPORT_CANCELLED, 0, "lease ended")
-    nonzero = _attempt_end(scheduler_pb2.EXECUTION_STATE_REPORT_SUCCEEDED, 2, "")
-
-    assert cancelled[0] is Outcome.WORKER_LOST
-    assert nonzero[0] is Outcome.FAILED
-
-
 class _Market:
     """Just enough of SchedulerMarket for an orchestrator that is never started."""
 
     peer_id = "scheduler"
+    connector = None
 
     def leases(self) -> list[Any]:
         return []
+
+    def worker_addresses(self, worker_id: str) -> tuple[str, ...]:
+        return ()
 
 
 @pytest.fixture
@@ -83,7 +61,13 @@ async def store() -> AsyncIterator[JobStore]:
 
 @pytest.fixture
 def orchestrator(store: JobStore, tmp_path: Path) -> Orchestrator:
-    return Orchestrator(_Market(), store, SchedulerSection(), tmp_path)  # type: ignore[arg-type]
+    return Orchestrator(
+        _Market(),  # type: ignore[arg-type]
+        store,
+        SchedulerSection(),
+        tmp_path,
+        planners=round_planners(),
+    )
 
 
 async def finished_job(store: JobStore, worker: str) -> str:
@@ -115,6 +99,24 @@ async def test_late_reports_of_a_finished_job_are_acknowledged_only_from_its_wor
         await orchestrator.report_metrics("w1", scheduler_pb2.MetricsReport(job_id="nope", round=0))
 
 
+async def test_reports_on_an_active_job_no_run_drives_yet_ask_the_worker_to_try_again(
+    orchestrator: Orchestrator, store: JobStore
+) -> None:
+    # Prepare: a running job in the store that this (just started) scheduler does not drive yet,
+    # as after a restart before the job is resumed.
+    job = await store.create(TASK)
+    await store.transition(job.job_id, JobState.ALLOCATING)
+    await store.transition(job.job_id, JobState.RUNNING, workers=["w1"], attempt=1)
+    report = scheduler_pb2.ProgressReport(job_id=job.job_id, round=2)
+
+    # Execute / Assert: not DONE (that would stop its trainer), but UNAVAILABLE: try again.
+    with pytest.raises(UnavailableError):
+        await orchestrator.report_progress("w1", report)
+    with pytest.raises(UnavailableError):
+        await orchestrator.append_logs("w1", [scheduler_pb2.LogLine(job_id=job.job_id, line="x")])
+    assert (await store.get(job.job_id)).state is JobState.RUNNING
+
+
 class _Context:
     """A servicer context whose caller the relay stamped (what ``peer_identity`` reads first)."""
 
@@ -134,12 +136,19 @@ async def test_log_lines_are_attributed_to_the_authenticated_caller_whatever_the
     worker = pki.tls("worker").identity
     jobs = _Recorder()
     servicer = SchedulerControlServicer(None, jobs)  # type: ignore[arg-type]
-    lines = [scheduler_pb2.LogLine(job_id="j", line=f"l{i}", worker_id="someone-else") for i in range(3)]
+    lines = [
+        scheduler_pb2.LogLine(
+            job_id="j", line=f"l{i}", worker_id="someone-else", worker_name="fake", executor="task"
+        )
+        for i in range(3)
+    ]
 
     ack = await servicer.AppendLogs(aiter(iter(lines)), _Context(worker))
 
     assert ack.lines == 3
     assert {(who, line.worker_id) for who, line in jobs.lines} == {(worker.peer_id, worker.peer_id)}
+    # The name comes from the certificate too; the executor kind is the worker's to say.
+    assert {(line.worker_name, line.executor) for _, line in jobs.lines} == {(worker.name, "task")}
 
 
 async def test_a_job_is_traced_as_one_span(orchestrator: Orchestrator, store: JobStore) -> None:
@@ -163,3 +172,38 @@ async def test_a_job_is_traced_as_one_span(orchestrator: Orchestrator, store: Jo
     assert span.attributes is not None
     assert span.attributes["hypha.job_id"] == job.job_id
     assert span.attributes["hypha.job_kind"] == "task"
+
+
+# ---- scaling (``ScaleJob``; ``hypha.scheduler.elastic``) ---------------------------------------
+
+DILOCO = common_pb2.JobSpec(
+    name="d", diloco=common_pb2.DilocoJobSpec(dataset="d", rounds=4, samples_per_round=64, num_workers=2)
+)
+
+
+async def test_scaling_refuses_unknown_non_diloco_and_not_running_jobs(
+    orchestrator: Orchestrator, store: JobStore
+) -> None:
+    with pytest.raises(NotFoundError):
+        await orchestrator.scale("no-such-job", 2)
+    task = await store.create(TASK)
+    with pytest.raises(FailedPreconditionError, match="only DiLoCo jobs scale"):
+        await orchestrator.scale(task.job_id, 2)
+    pending = await store.create(DILOCO)
+    with pytest.raises(FailedPreconditionError, match="only a running job scales"):
+        await orchestrator.scale(pending.job_id, 3)
+
+
+async def test_a_scale_target_must_be_a_positive_count_within_the_cap_on_a_started_run(
+    orchestrator: Orchestrator, store: JobStore, tmp_path: Path
+) -> None:
+    job = await store.create(DILOCO)
+    run = DilocoRun(job, orchestrator.runs, round_planners(), None, tmp_path)
+    for bad in (0, -1, elastic.MAX_WORKERS + 1):
+        with pytest.raises(InvalidArgumentError):
+            elastic.check_target(run, bad)
+    with pytest.raises(FailedPreconditionError, match="not running yet"):
+        elastic.check_target(run, 3)  # no parameter server runs yet
+    run.planner, run.ps_started = round_planners()(DILOCO.diloco), True
+    elastic.check_target(run, elastic.MAX_WORKERS)
+    assert run.target_workers == 2  # checking sets nothing

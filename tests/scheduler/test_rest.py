@@ -12,15 +12,18 @@ import aiohttp
 import grpc
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
+from hypha.net.https import client_ssl_context
+from hypha.net.metrics_server import exposition
 from hypha.net.tls import TlsMaterial
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.metrics import SchedulerMetrics, StatusBridge
-from hypha.scheduler.rest import RestServer, client_ssl_context
+from hypha.scheduler.rest import RestServer
 from hypha.v1 import common_pb2, scheduler_pb2
 from tests.conftest import Pki
 from tests.helpers import eventually
-from tests.scheduler.test_api import DILOCO_TOML, Served, client, serve_api
+from tests.scheduler.test_servicer import DILOCO_TOML, Served, client, serve_api
 
 
 @pytest.fixture
@@ -74,7 +77,7 @@ async def test_rest_and_grpc_agree_on_a_task_through_its_life(
         http(pki.tls("client"), pki.tls("client")) as session,
         client(pki.tls("client"), served.address) as stub,
     ):
-        # Submit through REST (seed 001's route), read through both.
+        # Submit through REST (the task route), read through both.
         body = {"name": "hello", "command": "echo", "args": ["hi"], "retry": {"max_attempts": 2}}
         async with session.post(f"{api}/tasks", json=body) as response:
             created = await _json(response, 201)
@@ -125,6 +128,12 @@ async def test_jobs_submit_as_toml_and_errors_name_the_key(rest: tuple[Served, R
             and job["rounds"] == 4
             and job["spec"]["diloco"]["model"]["token"] == "***"
         )
+        await served.store.transition(job["job_id"], JobState.ALLOCATING)  # only an active job scales
+        async with session.post(f"{api}/jobs/{job['job_id']}/scale", json={"workers": 3}) as response:
+            assert (await _json(response, 200))["job_id"] == job["job_id"]
+        async with session.post(f"{api}/jobs/{job['job_id']}/scale", json={"workers": "3"}) as response:
+            assert (await _json(response, 400))["error"]["code"] == "INVALID_ARGUMENT"
+        assert served.orchestrator.scaled == [(job["job_id"], 3)]
         bad = DILOCO_TOML.replace('dataset = "d"', "dataset = 3")
         async with session.post(f"{api}/jobs", json={"toml": bad}) as response:
             error = await _json(response, 400)
@@ -244,22 +253,40 @@ async def test_status_bridge_posts_aim_metrics_and_drops_when_its_queue_is_full(
     assert bridge.sent == 2 and bridge.failed == 0
 
 
-async def test_prometheus_text_has_types_labels_and_histogram_buckets() -> None:
+async def test_prometheus_text_has_types_labels_buckets_and_scrape_time_figures() -> None:
     metrics = SchedulerMetrics()
     metrics.allocation_seconds.observe(0.02)
     metrics.allocation_seconds.observe(3.0)
-    metrics.bytes_moved.inc(1024, kind="result")
-    metrics.jobs.set(2, kind="task", state='we"ird')
+    metrics.bytes_moved.labels(kind="result").inc(1024)
 
     async def flags() -> list[bool]:
         return [True, False, False]
 
+    async def counts() -> dict[tuple[str, JobState], int]:
+        return {
+            ("task", JobState.PENDING): 2,
+            ("task", JobState.ALLOCATING): 1,
+            ("task", JobState.SUCCEEDED): 5,
+        }
+
+    async def broken() -> list[bool]:
+        raise RuntimeError("a source that fails must not hide the others")
+
+    metrics.watch_store(counts)
     metrics.watch_workers(flags)
-    text = await metrics.render()
-    assert "# TYPE hypha_scheduler_bytes_moved_total counter" in text
-    assert 'hypha_scheduler_bytes_moved_total{kind="result"} 1024' in text
-    assert 'hypha_scheduler_jobs{kind="task",state="we\\"ird"} 2' in text
-    assert 'hypha_scheduler_allocation_duration_seconds_bucket{le="0.025"} 1' in text
-    assert 'hypha_scheduler_allocation_duration_seconds_bucket{le="+Inf"} 2' in text
-    assert "hypha_scheduler_allocation_duration_seconds_count 2" in text
-    assert "hypha_scheduler_workers_busy 1" in text and "hypha_scheduler_workers_available 2" in text
+    await metrics.refresh()
+    text = exposition(metrics.registry).text or ""
+    parsed = {family.name: family for family in text_string_to_metric_families(text)}
+    assert parsed["hypha_scheduler_bytes_moved"].type == "counter"
+    assert 'hypha_scheduler_bytes_moved_total{kind="result"} 1024.0' in text
+    assert 'hypha_scheduler_jobs{kind="task",state="pending"} 2.0' in text
+    assert "hypha_scheduler_tasks_queued 3.0" in text
+    assert "hypha_scheduler_tasks_completed_total 5.0" in text
+    assert 'hypha_scheduler_allocation_duration_seconds_bucket{le="0.025"} 1.0' in text
+    assert 'hypha_scheduler_allocation_duration_seconds_bucket{le="+Inf"} 2.0' in text
+    assert "hypha_scheduler_allocation_duration_seconds_count 2.0" in text
+    assert "hypha_scheduler_workers_busy 1.0" in text and "hypha_scheduler_workers_available 2.0" in text
+
+    metrics.watch_workers(broken)
+    await metrics.refresh()
+    assert metrics.value("hypha_scheduler_tasks_queued") == 3

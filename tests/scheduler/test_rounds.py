@@ -6,19 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hypha.directives import DirectiveKind
 from hypha.errors import InvalidArgumentError
 from hypha.market.resources import Resources
-from hypha.scheduler.rounds import (
-    Directive,
-    DirectiveKind,
-    EqualBatchPlanner,
-    Progress,
-    RoundPlanner,
-    SimWorker,
-    batch_size_for,
-    heterogeneous_workers,
-    simulate,
-)
+from hypha.scheduler.rounds import Directive, Planner, Progress, RoundPlanner, batch_size_for, round_planners
+from hypha.testing.rounds_sim import EqualBatchPlanner, SimWorker, heterogeneous_workers, simulate
+from hypha.v1 import common_pb2
 
 K = DirectiveKind
 
@@ -161,3 +154,15 @@ def test_directives_and_reports_convert_at_the_edge() -> None:
         RoundPlanner(0, 1)
     with pytest.raises(InvalidArgumentError):
         RoundPlanner(10, 1, lookahead=0.0)
+
+
+def test_the_planner_factory_makes_one_round_planner_per_job_with_the_configured_lookahead() -> None:
+    make = round_planners(lookahead=0.5)
+    spec = common_pb2.DilocoJobSpec(samples_per_round=64, rounds=3)
+
+    first, second = make(spec), make(spec)
+
+    assert isinstance(first, RoundPlanner) and first is not second
+    assert (first.samples_per_round, first.rounds, first.lookahead) == (64, 3, 0.5)
+    planners: list[Planner] = [first, EqualBatchPlanner(64, 3)]  # both satisfy the Protocol
+    assert all(p.rates() == {} for p in planners)

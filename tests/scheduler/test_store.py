@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -12,16 +13,11 @@ from pathlib import Path
 import pytest
 
 from hypha.errors import FailedPreconditionError, IllegalTransitionError, NotFoundError
-from hypha.scheduler.jobfile import parse_job_toml
+from hypha.jobfile import parse_job_toml
 from hypha.scheduler.lifecycle import JobState
-from hypha.scheduler.store import (
-    MAX_LINE_CHARS,
-    REDACTED,
-    JobStore,
-    LogEntry,
-    SqliteJobStore,
-    WorkerMetric,
-)
+from hypha.scheduler.records import REDACTED
+from hypha.scheduler.sqlite_store import MAX_LINE_CHARS, SqliteJobStore
+from hypha.scheduler.store import JobStore, LogEntry, WorkerMetric
 from hypha.v1 import common_pb2
 
 TASK = parse_job_toml('[job]\ncommand = "true"\n[job.retry]\nmax_attempts = 3')
@@ -171,9 +167,9 @@ def test_secrets_are_redacted_in_what_leaves_the_store(store: SqliteJobStore) ->
 
 CRASH_SCRIPT = """
 import os, signal, sys
-from hypha.scheduler.jobfile import parse_job_toml
+from hypha.jobfile import parse_job_toml
 from hypha.scheduler.lifecycle import JobState as J
-from hypha.scheduler.store import SqliteJobStore
+from hypha.scheduler.sqlite_store import SqliteJobStore
 
 store = SqliteJobStore(sys.argv[1])
 task = parse_job_toml('[job]\\ncommand = "true"\\n[job.retry]\\nmax_attempts = 3')
@@ -235,6 +231,42 @@ def test_recovery_after_a_crash_keeps_history_and_settles_running_jobs(tmp_path:
     assert again.failed == [] and again.requeued == []  # recovering twice settles nothing more
 
 
+def test_a_diloco_job_that_saved_its_run_state_resumes_after_a_restart(tmp_path: Path) -> None:
+    # Prepare: two running DiLoCo jobs, one whose run saved its state; a finished one that had;
+    # one still leasing its first workers.
+    path = tmp_path / "scheduler.db"
+    store = SqliteJobStore(path)
+    saved, unsaved, done, leasing = (store.create(DILOCO, "c") for _ in range(4))
+    for job in (saved, unsaved, done):
+        store.transition(job.job_id, A)
+        store.transition(job.job_id, R, round=2)
+    store.transition(leasing.job_id, A)
+    state = {"version": 1, "completed": 2, "slices": {"epoch": 0}}
+    assert store.save_run_state(saved.job_id, state)
+    assert store.save_run_state(done.job_id, state)
+    store.transition(done.job_id, S)
+    store.close()
+
+    # Execute: a new process opens the same database and recovers with the default policy.
+    store = SqliteJobStore(path)
+    report = store.recover()
+
+    # Assert: the saved one resumes with its state; the other fails; the finished one kept nothing.
+    assert [j.job_id for j in report.resumed] == [saved.job_id]
+    assert store.get(saved.job_id).state is A
+    assert "resuming from round 2" in store.get(saved.job_id).reason
+    assert store.run_state(saved.job_id) == state
+    assert [j.job_id for j in report.failed] == [unsaved.job_id]
+    # The one that never started is queued again, not failed.
+    assert [j.job_id for j in report.requeued] == [leasing.job_id]
+    assert store.get(leasing.job_id).state is P and "re-queued" in store.get(leasing.job_id).reason
+    assert leasing.job_id in {j.job_id for j in report.pending}
+    assert store.run_state(done.job_id) is None
+    assert not store.save_run_state(done.job_id, state)  # a finished job keeps nothing
+    with pytest.raises(NotFoundError):
+        store.save_run_state("nope", state)
+
+
 async def test_async_store_wakes_waiters_on_commit(tmp_path: Path) -> None:
     async with await JobStore.open(tmp_path / "db", clock=FakeClock()) as store:
         job = await store.create(TASK, "c")
@@ -249,3 +281,27 @@ async def test_async_store_wakes_waiters_on_commit(tmp_path: Path) -> None:
         assert [r.line for r in await store.logs(job.job_id)] == ["hello"]
         assert (await store.last_event_seq(job.job_id)) == (await store.events(job.job_id))[-1].seq
     await store.close()  # idempotent
+
+
+def test_a_schema_1_store_gains_the_log_columns_and_keeps_its_lines(tmp_path: Path) -> None:
+    # Prepare: a store as schema 1 wrote it (logs without worker_name / executor).
+    path = tmp_path / "old.db"
+    store = SqliteJobStore(path)
+    job = store.create(common_pb2.JobSpec(name="t", task=common_pb2.TaskJobSpec(command="true")))
+    store.append_logs(job.job_id, [LogEntry("before", worker_id="w")])
+    store.close()
+    db = sqlite3.connect(path)
+    db.executescript(
+        "ALTER TABLE logs DROP COLUMN worker_name; ALTER TABLE logs DROP COLUMN executor;"
+        " PRAGMA user_version=1;"
+    )
+    db.close()
+
+    # Execute
+    reopened = SqliteJobStore(path)
+    reopened.append_logs(job.job_id, [LogEntry("after", worker_id="w", worker_name="w1", executor="task")])
+
+    # Assert
+    lines = [(r.line, r.worker_name, r.executor) for r in reopened.logs(job.job_id)]
+    assert lines == [("before", "", ""), ("after", "w1", "task")]
+    reopened.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -16,6 +16,7 @@ from hypha.tensors.chunks import (
     AssemblyState,
     ChunkAssembler,
     assemble,
+    feed_off_loop,
     sha256_hex,
     split_payload,
 )
@@ -196,23 +197,51 @@ def test_invalid_chunk_size_is_refused() -> None:
         list(split_payload(b"abc", chunk_size=0))
 
 
-def test_assembly_cost_is_linear_and_close_to_hashing() -> None:
-    """64 MiB in 1 MiB chunks: a quadratic join would cost ~30x the sha256; we allow 5x."""
-    # Prepare
-    payload = os.urandom(64 * MiB)
-    chunks = _chunks(payload)
+def test_payload_above_the_memory_bound_is_spooled_to_a_verified_file(tmp_path: Path) -> None:
+    payload = os.urandom(300_000)
+    assembler = ChunkAssembler(max_bytes=1 << 20, spool_dir=tmp_path, memory_bytes=100_000)
 
-    def best_of(fn: object, runs: int = 3) -> float:
-        times = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            fn()  # type: ignore[operator]
-            times.append(time.perf_counter() - start)
-        return min(times)
+    for chunk in split_payload(payload, chunk_size=64 * 1024):
+        assembler.feed(chunk)
+        assert not assembler._parts  # nothing held in memory
 
-    # Execute
-    hashing = best_of(lambda: hashlib.sha256(payload).hexdigest())
-    assembling = best_of(lambda: assemble(chunks, max_bytes=64 * MiB))
+    assert assembler.spooled
+    with pytest.raises(FailedPreconditionError, match="finish_file"):
+        assembler.finish()
+    path = assembler.finish_file()
+    assert path.parent == tmp_path and path.read_bytes() == payload
 
-    # Assert
-    assert assembling < 5 * hashing + 0.05, (assembling, hashing)
+
+def test_payload_at_the_memory_bound_stays_in_memory(tmp_path: Path) -> None:
+    payload = os.urandom(100_000)
+    assembler = ChunkAssembler(max_bytes=1 << 20, spool_dir=tmp_path, memory_bytes=100_000)
+    for chunk in split_payload(payload, chunk_size=64 * 1024):
+        assembler.feed(chunk)
+    assert not assembler.spooled and assembler.finish() == payload
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("ending", ["corrupt", "aborted"])
+def test_a_broken_spooled_stream_leaves_no_file(tmp_path: Path, ending: str) -> None:
+    chunks = list(split_payload(os.urandom(300_000), chunk_size=64 * 1024))
+    assembler = ChunkAssembler(max_bytes=1 << 20, spool_dir=tmp_path, memory_bytes=1000)
+    for chunk in chunks[:-1]:
+        assembler.feed(chunk)
+    assert len(list(tmp_path.iterdir())) == 1
+
+    if ending == "corrupt":
+        chunks[-1].sha256 = "0" * 64
+        with pytest.raises(DataLossError):
+            assembler.feed(chunks[-1])
+    else:
+        assembler.abort()
+
+    assert not list(tmp_path.iterdir())
+
+
+async def test_feeding_off_the_loop_assembles_the_same_payload() -> None:
+    payload = os.urandom(1 << 20)
+    assembler = ChunkAssembler(max_bytes=1 << 21)
+    for chunk in split_payload(payload, chunk_size=256 * 1024):
+        await feed_off_loop(assembler, chunk)
+    assert assembler.finish() == payload

@@ -125,6 +125,18 @@ def test_payload_matching_the_template_is_accepted() -> None:
     state = _state()
     decoded = decode_state(encode_state(state, "bf16"), expected=template_of(state))
     check_template(decoded, state)
+    # Accepted means decoded as sent: floats went as bf16 (values rounded to it, back as fp32),
+    # integers and booleans exactly, in their own dtype.
+    assert set(decoded) == set(state)
+    for name, tensor in state.items():
+        assert decoded[name].shape == tensor.shape, name
+        if tensor.is_floating_point():
+            expected = tensor.to(torch.bfloat16).float()
+        else:
+            expected = tensor
+        assert decoded[name].dtype == expected.dtype, name
+        assert torch.equal(decoded[name], expected), name
+    assert not torch.equal(decoded["layer.weight"], state["layer.weight"])  # it really was rounded
 
 
 @pytest.mark.parametrize(

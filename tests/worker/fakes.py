@@ -8,7 +8,8 @@ from pathlib import Path
 
 from hypha.market.resources import ExecutorKind
 from hypha.v1 import common_pb2, scheduler_pb2
-from hypha.worker.job_state import JobDispatch
+from hypha.worker.execution_state import JobDispatch
+from hypha.worker.process_group import orphans
 
 PYTHON = sys.executable
 
@@ -87,6 +88,11 @@ def task_dispatch(
 
 def python_task(job_id: str, code: str, **kwargs: object) -> JobDispatch:
     return task_dispatch(job_id, [PYTHON, "-c", code], **kwargs)  # type: ignore[arg-type]
+
+
+def job_processes(work_root: Path) -> list[int]:
+    """Live processes of any job under ``work_root``, as the host sees them (sandbox or not)."""
+    return [pid for pid in orphans(work_root / "jobs") if pid_alive(pid)]
 
 
 def pid_alive(pid: int) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -9,21 +10,28 @@ import re
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from hypha.executor import BridgeClient, BridgeForbiddenError, BridgeNotFoundError
+from hypha.bridge_client import (
+    BridgeClient,
+    BridgeForbiddenError,
+    BridgeNotFoundError,
+    BridgeUnavailableError,
+)
 from hypha.market.resources import ExecutorKind
+from hypha.testing.polling import eventually
 from hypha.v1 import common_pb2, scheduler_pb2
 from hypha.worker.bridge import BridgeContext, BridgeLimits, JobBridge
 from hypha.worker.bridge_openapi import OPENAPI
+from hypha.worker.execution_state import ExecutionRecord, ExecutionState, JobDispatch
 from hypha.worker.fetcher import ProviderInfo
-from hypha.worker.job_state import ExecutionRecord, ExecutionState, JobDispatch
-from hypha.worker.jobs import JobManager, JobsSection
+from hypha.worker.job_manager import JobManager
+from hypha.worker.jobs_config import JobsSection
 from hypha.worker.model_fetch import HubSettings, ResourceFetcher
 from hypha.worker.scheduler_link import LogForwarder
 from hypha.worker.transfer import TensorExchange
@@ -65,6 +73,7 @@ class Harness:
     link: FakeSchedulerLink
     record: ExecutionRecord
     work_dir: Path
+    logs: LogForwarder
 
 
 async def open_bridge(
@@ -81,6 +90,8 @@ async def open_bridge(
     exchange = TensorExchange(None)
     exchange.open_job(dispatch.job_id)
     record = ExecutionRecord(dispatch.job_id, "exec-1")
+    logs = LogForwarder(link, dispatch.job_id)
+    logs.start()  # a forwarder that never runs would make every "no such line" assertion vacuous
     bridge = JobBridge(
         BridgeContext(
             dispatch=dispatch,
@@ -88,7 +99,7 @@ async def open_bridge(
             record=record,
             link=link,
             exchange=exchange,
-            logs=LogForwarder(link, dispatch.job_id),
+            logs=logs,
             resources=resources,
             slices=slices,
             limits=BridgeLimits(max_body_bytes=LIMIT),
@@ -98,7 +109,7 @@ async def open_bridge(
     raw = aiohttp.ClientSession(
         base_url="http://bridge", connector=aiohttp.UnixConnector(path=str(socket_path))
     )
-    return Harness(bridge, BridgeClient(socket_path), raw, link, record, work_dir)
+    return Harness(bridge, BridgeClient(socket_path), raw, link, record, work_dir, logs)
 
 
 @pytest.fixture
@@ -108,6 +119,7 @@ async def harness(tmp_path: Path) -> AsyncIterator[Harness]:
     await h.client.close()
     await h.raw.close()
     await h.bridge.stop()
+    await h.logs.close()
 
 
 # ---- the contract's refusals ------------------------------------------------------------------------
@@ -157,7 +169,13 @@ async def test_oversize_bodies_are_refused_with_413(harness: Harness) -> None:
 
     async with harness.raw.post("/v1/log", data=chunked()) as response:
         assert response.status == 413
-    assert not any("yyyy" in line for line in harness.link.lines())
+    # A line sent after the refused ones arrives; the refused bodies never do.
+    async with harness.raw.post("/v1/log", json={"stream": "stdout", "line": "after"}) as response:
+        assert response.status < 300
+    await eventually(
+        lambda: "after" in harness.link.lines(), timeout=10, message="the accepted line forwarded"
+    )
+    assert not any("yyyy" in line or "xxxx" in line for line in harness.link.lines())
 
 
 async def test_unknown_resources_and_routes_are_404(harness: Harness) -> None:
@@ -391,7 +409,7 @@ async def test_unknown_hub_repository_is_404(tmp_path: Path, fake_hub: FakeHub) 
 _USER_SCRIPT = textwrap.dedent(
     """
     import pathlib
-    from hypha.executor import SyncBridgeClient
+    from hypha.bridge_client import SyncBridgeClient
 
     # y = 3x + 1 by plain gradient descent: the smallest model that "trains".
     data = [(x / 10, 3 * x / 10 + 1) for x in range(-10, 11)]
@@ -433,7 +451,7 @@ async def test_a_user_script_trains_through_the_bridge(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(_USER_SCRIPT)
     manager = JobManager(
-        JobsSection(stop_grace_s=1.0),
+        JobsSection(stop_grace_s=1.0, sandbox_paths=[script]),  # the sandbox shows it the script
         tmp_path / "work",
         exchange=TensorExchange(None),
         link_factory=lambda dispatch: link,
@@ -447,9 +465,10 @@ async def test_a_user_script_trains_through_the_bridge(tmp_path: Path) -> None:
 
     # Assert: it followed the directive, its loss fell, and its result was kept
     assert record.state is ExecutionState.SUCCEEDED, (record.message, link.lines())
-    assert record.message == "loss 0.0000" or record.message.startswith("loss ")
     losses = [r.loss for r in link.progress_reports]
     assert len(losses) == 20 and losses[-1] < losses[0] / 10
+    # The script's own status message reached the record unchanged: its last loss.
+    assert record.message == f"loss {losses[-1]:.4f}"
     assert "user-job trained for 20 batches" in link.lines("stdout")
     result = manager.result_dir("user-job")
     assert result is not None
@@ -471,3 +490,79 @@ async def test_bridge_works_where_the_socket_path_exceeds_sun_path(tmp_path: Pat
     assert len(str(h.bridge.socket_path)) > 108
     assert job.work_dir == h.work_dir
     assert not h.bridge.socket_path.exists()  # removed on stop
+
+
+# ---- a restored parameter server ------------------------------------------------------------------
+
+
+async def test_a_rewired_trainer_abandons_its_call_to_the_old_server_and_reaches_the_new_one(
+    tmp_path: Path,
+) -> None:
+    # Prepare: a trainer's pull of an update from its parameter server hangs (the server is gone).
+    dispatch = replace(diloco_dispatch(), parameter_server_id="ps-old")
+    h = await open_bridge(tmp_path, dispatch)
+    asked: list[str] = []
+    gone = asyncio.Event()
+
+    async def fetch(job_id: str, peer: str, *args: object) -> None:
+        asked.append(peer)
+        await gone.wait()  # no answer until the test ends
+
+    h.bridge.ctx.exchange.fetch = fetch  # type: ignore[method-assign]
+    try:
+        first = asyncio.ensure_future(
+            h.client.fetch_tensors(peer="ps-old", kind="update", round=3, timeout_s=60)
+        )
+        await eventually(lambda: asked == ["ps-old"])
+
+        # Execute: the scheduler restored the server elsewhere and re-dispatched the trainer.
+        h.bridge.rewire(replace(dispatch, parameter_server_id="ps-new", former_parameter_servers=("ps-old",)))
+
+        # Assert: the hanging call ends at once (503: ask again); the next one goes to the new server.
+        with pytest.raises(BridgeUnavailableError, match="restored on ps-new"):
+            await asyncio.wait_for(first, 10)
+        second = asyncio.ensure_future(
+            h.client.fetch_tensors(peer="ps-old", kind="update", round=3, timeout_s=60)
+        )
+        await eventually(lambda: asked == ["ps-old", "ps-new"])
+        assert (await h.client.job()).parameter_server_id == "ps-new"
+        gone.set()
+        assert await asyncio.wait_for(second, 10) is None  # the new server had nothing yet
+    finally:
+        gone.set()
+        await h.client.close()
+        await h.raw.close()
+        await h.bridge.stop()
+        await h.logs.close()
+
+
+async def test_a_delta_in_flight_to_the_old_server_goes_to_the_restored_one(tmp_path: Path) -> None:
+    dispatch = replace(diloco_dispatch(), parameter_server_id="ps-old")
+    h = await open_bridge(tmp_path, dispatch)
+    delta = h.work_dir / "delta.safetensors"
+    delta.write_bytes(b"delta")
+    sent_to: list[str] = []
+
+    async def send(job_id: str, peer: str, *args: object) -> tuple[bool, str]:
+        sent_to.append(peer)
+        if peer == "ps-old":
+            await asyncio.Event().wait()  # the old server's machine is gone: no answer
+        return True, "queued"
+
+    h.bridge.ctx.exchange.send = send  # type: ignore[method-assign]
+    try:
+        sending = asyncio.ensure_future(
+            h.client.send_tensors(peer="ps-old", kind="delta", round=2, samples=8, path=delta)
+        )
+        await eventually(lambda: sent_to == ["ps-old"])
+
+        h.bridge.rewire(replace(dispatch, parameter_server_id="ps-new", former_parameter_servers=("ps-old",)))
+
+        reply = await asyncio.wait_for(sending, 10)
+        assert sent_to == ["ps-old", "ps-new"]
+        assert reply[0] is True
+    finally:
+        await h.client.close()
+        await h.raw.close()
+        await h.bridge.stop()
+        await h.logs.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,8 +20,10 @@ from hypha.errors import (
 )
 from hypha.market.resources import ExecutorKind
 from hypha.v1 import common_pb2, worker_pb2
-from hypha.worker.job_state import TRANSITIONS, ExecutionRecord, ExecutionState, JobDispatch, StopCause
-from hypha.worker.jobs import GpuSlots, JobManager, JobsSection
+from hypha.worker.execution_state import TRANSITIONS, ExecutionRecord, ExecutionState, JobDispatch, StopCause
+from hypha.worker.gpu_slots import GpuSlots
+from hypha.worker.job_manager import JobManager
+from hypha.worker.jobs_config import JobsSection
 from hypha.worker.jobs_servicer import status_proto
 from hypha.worker.transfer import TensorExchange
 from tests.helpers import eventually
@@ -191,6 +194,62 @@ async def test_lease_expiry_cancels_only_the_jobs_under_it(manager: JobManager) 
     assert manager.get("b").state is ExecutionState.RUNNING
     await manager.cancel("b", "done")
     await manager.wait("b", 15)
+
+
+def _trainer(lease_id: str, *, attempt: int = 0, scheduler_id: str = "scheduler-1") -> JobDispatch:
+    spec = common_pb2.JobSpec(diloco=common_pb2.DilocoJobSpec(dataset="d"))
+    return JobDispatch(
+        "t",
+        lease_id,
+        ExecutorKind.DILOCO_TRAINER,
+        spec,
+        scheduler_id,
+        parameter_server_id="ps",
+        attempt=attempt,
+    )
+
+
+async def test_expired_lease_leaves_a_diloco_execution_to_its_restarted_scheduler(
+    tmp_path: Path, link: FakeSchedulerLink
+) -> None:
+    # Prepare: a trainer (a sleeper stands in for its program) and a task, under one lease.
+    sleeper = [sys.executable, "-c", _SLEEP]
+    async with _manager(
+        tmp_path, link, reattach_grace_s=30.0, executor_commands={"diloco-trainer": sleeper}
+    ) as manager:
+        first = await manager.dispatch(_trainer("lease-a"))
+        await manager.dispatch(python_task("task", _SLEEP, lease_id="lease-a"))
+
+        # Execute: the lease expires (nobody renewed it); the scheduler comes back with a new one.
+        stopped = await manager.cancel_jobs_for_lease("lease-a", "lease lease-a ended", expired=True)
+        task = await manager.wait("task", 15)
+        with pytest.raises(AlreadyExistsError):  # another scheduler cannot take it
+            await manager.dispatch(_trainer("lease-x", scheduler_id="scheduler-2"))
+        again = await manager.dispatch(_trainer("lease-b", attempt=3))
+
+        # Assert: the task stopped; the trainer ran on and is the same execution, now under lease-b.
+        assert stopped == ["task"] and task.state is ExecutionState.CANCELLED
+        assert again.execution_id == first.execution_id and again.state is ExecutionState.RUNNING
+        assert await manager.cancel_jobs_for_lease("lease-a", "again", expired=True) == []
+        assert manager.get("t").state is ExecutionState.RUNNING  # lease-a is no longer its lease
+        await manager.cancel("t", "done")
+        await manager.wait("t", 15)
+
+
+async def test_an_expired_lease_nobody_takes_back_stops_the_execution_after_the_grace(
+    tmp_path: Path, link: FakeSchedulerLink
+) -> None:
+    sleeper = [sys.executable, "-c", _SLEEP]
+    async with _manager(
+        tmp_path, link, reattach_grace_s=0.5, executor_commands={"diloco-trainer": sleeper}
+    ) as manager:
+        await manager.dispatch(_trainer("lease-a"))
+
+        await manager.cancel_jobs_for_lease("lease-a", "lease lease-a ended", expired=True)
+        record = await manager.wait("t", 15)
+
+        assert record.state is ExecutionState.CANCELLED
+        assert "did not take the job back within 0.5 s" in record.message
 
 
 async def test_threads_share_the_cores_among_running_jobs(manager: JobManager, tmp_path: Path) -> None:

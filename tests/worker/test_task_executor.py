@@ -11,11 +11,12 @@ import pytest
 
 from hypha.errors import ResourceExhaustedError
 from hypha.v1 import scheduler_pb2
-from hypha.worker.job_state import ExecutionState
-from hypha.worker.jobs import JobManager, JobsSection
+from hypha.worker.execution_state import ExecutionState
+from hypha.worker.job_manager import JobManager
+from hypha.worker.jobs_config import JobsSection
 from hypha.worker.transfer import TensorExchange
 from tests.helpers import eventually
-from tests.worker.fakes import FakeSchedulerLink, pid_alive, python_task, task_dispatch
+from tests.worker.fakes import FakeSchedulerLink, job_processes, python_task, task_dispatch
 
 
 @pytest.fixture
@@ -138,8 +139,8 @@ async def test_cancel_kills_the_whole_process_tree(manager: JobManager, tmp_path
     await manager.dispatch(python_task("tree", _TREE))
     pids_file = tmp_path / "work" / "jobs" / "tree.task" / "pids.json"
     await eventually(pids_file.exists, timeout=15, message="task wrote its children's pids")
-    pids = json.loads(pids_file.read_text())
-    assert pid_alive(pids["child"]) and pid_alive(pids["grandchild"])
+    # (pids inside a sandbox are its own namespace's: count the job's processes as the host sees them)
+    assert len(job_processes(tmp_path / "work")) >= 3
 
     # Execute
     assert await manager.cancel("tree", "user asked")
@@ -148,8 +149,7 @@ async def test_cancel_kills_the_whole_process_tree(manager: JobManager, tmp_path
     # Assert: SIGTERM ended the leader and child; SIGKILL after the grace ended the grandchild
     assert record.state is ExecutionState.CANCELLED
     assert record.message == "user asked"
-    await eventually(lambda: not pid_alive(pids["child"]), timeout=10, message="child gone")
-    await eventually(lambda: not pid_alive(pids["grandchild"]), timeout=10, message="grandchild gone")
+    await eventually(lambda: not job_processes(tmp_path / "work"), timeout=10, message="whole tree gone")
 
 
 async def test_cancel_only_reaches_the_dispatching_scheduler_s_jobs(manager: JobManager) -> None:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
-from hypha.executor import BridgeClient
+from hypha.bridge_client import BridgeClient
 from hypha.market.resources import ExecutorKind
 from hypha.net.connector import PeerConnector
 from hypha.net.relay import Relay
@@ -22,8 +22,9 @@ from hypha.tensors.chunks import split_payload
 from hypha.tensors.payload import CONTENT_TYPE, decode_state, encode_state
 from hypha.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hypha.worker.bridge import BridgeContext, JobBridge
-from hypha.worker.job_state import ExecutionRecord, JobDispatch
-from hypha.worker.jobs import JobManager, JobsSection
+from hypha.worker.execution_state import ExecutionRecord, JobDispatch
+from hypha.worker.job_manager import JobManager
+from hypha.worker.jobs_config import JobsSection
 from hypha.worker.jobs_servicer import WorkerJobs, WorkerJobsMixin
 from hypha.worker.scheduler_link import LogForwarder
 from hypha.worker.transfer import TensorExchange, TransferSettings
@@ -214,11 +215,18 @@ async def test_pull_of_global_serves_the_newest_and_times_out_politely(
     assert missing is None
 
 
+@pytest.mark.parametrize("spooled", [False, True], ids=["in-memory", "spooled"])
 async def test_executors_exchange_tensors_through_their_bridges(
-    pair: tuple[Node, Node], tmp_path: Path
+    pair: tuple[Node, Node], tmp_path: Path, spooled: bool
 ) -> None:
-    # Prepare: a trainer's bridge on A (knowing the PS's address) and the PS's bridge on B
+    # Prepare: a trainer's bridge on A (knowing the PS's address) and the PS's bridge on B;
+    # "spooled": both keep at most 1 MiB in memory, so the 2 MiB payloads go through spool files
     a, b = pair
+    if spooled:
+        for node in (a, b):
+            node.exchange.settings = replace(
+                node.exchange.settings, memory_payload_bytes=1 << 20, spool_dir=tmp_path / "spool"
+            )
     spec = common_pb2.JobSpec(diloco=common_pb2.DilocoJobSpec(dataset="tiny"))
     trainer = JobDispatch(
         JOB,
@@ -230,11 +238,12 @@ async def test_executors_exchange_tensors_through_their_bridges(
         parameter_server_addresses=(b.server.address,),
     )
     ps = JobDispatch(JOB, "l", ExecutorKind.PARAMETER_SERVER, spec, "s", trainer_ids=(a.peer_id,))
-    bridges, clients = [], []
+    bridges, clients, links = [], [], []
     for node, dispatch, name in ((a, trainer, "trainer"), (b, ps, "ps")):
         work_dir = tmp_path / name
         work_dir.mkdir(mode=0o700)
         link = FakeSchedulerLink()
+        links.append(link)
         bridge = JobBridge(
             BridgeContext(
                 dispatch, work_dir, ExecutionRecord(JOB, name), link, node.exchange, LogForwarder(link, JOB)
@@ -253,6 +262,8 @@ async def test_executors_exchange_tensors_through_their_bridges(
         await ps_client.publish_tensors("update", 1, "update.safetensors")
         pulled = await trainer_client.fetch_tensors(b.peer_id, "update", 1, timeout_s=10)
         empty = await ps_client.inbox("delta", timeout_s=0.1)
+        await trainer_client.metrics(1, {"loss": 1.0})
+        await ps_client.metrics(1, {"samples": 64.0})
     finally:
         for client in clients:
             await client.close()
@@ -265,6 +276,19 @@ async def test_executors_exchange_tensors_through_their_bridges(
     assert (got.from_peer, got.round, got.samples) == (a.peer_id, 1, 64)
     assert pulled == update
     assert empty is None
+    # The worker measured the job's bytes on the wire and added them to the trainer's metrics:
+    # payloads plus chunk headers and gRPC framing (a few hundred bytes), and the push counts
+    # what really went out: A's first attempt broke after two 1 MiB chunks, then all of it.
+    figures = dict(links[0].metrics_reports[0].values)
+    sent = len(delta) + 2 * 1024 * 1024
+    assert sent < figures["tensor_bytes_pushed"] < sent + 1024
+    assert len(update) < figures["tensor_bytes_pulled"] < len(update) + 1024
+    assert figures["loss"] == 1.0
+    # The PS opened no stream: nothing of its own to add (each byte is counted once, by its opener).
+    assert dict(links[1].metrics_reports[0].values) == {"samples": 64.0}
+    # Every spool file was handed to its consumer and deleted once used.
+    if spooled:
+        assert (tmp_path / "spool").is_dir() and not list((tmp_path / "spool").iterdir())
 
 
 async def test_push_through_the_relay_when_no_address_answers(pki: Pki, tmp_path: Path) -> None:
@@ -305,3 +329,40 @@ async def test_push_through_the_relay_when_no_address_answers(pki: Pki, tmp_path
     assert accepted
     assert received is not None and received.data == payload
     assert received.from_peer == a_tls.identity.peer_id
+
+
+async def test_only_the_dispatching_scheduler_moves_a_parameter_server_state(
+    pki: Pki, pair: tuple[Node, Node], tmp_path: Path
+) -> None:
+    # Prepare: B holds the job's inbox but runs no parameter server a scheduler dispatched.
+    a, b = pair
+    write_state(tmp_path / "state.safetensors", megabytes=1)
+    scheduler = PeerConnector(pki.tls("scheduler"), None)
+    stub = worker_pb2_grpc.WorkerStub(await scheduler.channel(b.peer_id, [b.server.address]))
+    payload = encode_state({"w": torch.ones(8)})
+
+    async def push(kind: str) -> AsyncIterator[worker_pb2.TensorChunk]:
+        for chunk in split_payload(payload, content_type=CONTENT_TYPE):
+            yield worker_pb2.TensorChunk(job_id=JOB, kind=kind, round=1, chunk=chunk)
+
+    try:
+        # Execute / Assert: a worker may not send a state (or a model); a scheduler moves nothing
+        # else, and those only to a parameter server (inference execution) it dispatched there.
+        for kind in ("ps-state", "model"):  # a state, or an inference job's model
+            accepted, message = await a.exchange.send(
+                JOB, b.peer_id, [b.server.address], kind, 1, 0, tmp_path / "state.safetensors"
+            )
+            assert not accepted and message.startswith("PERMISSION_DENIED"), message
+        for kind in ("delta", "ps-state", "model"):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.PushTensors(push(kind), timeout=10)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, kind
+        pull = stub.PullTensors(
+            worker_pb2.PullTensorsRequest(job_id=JOB, kind="ps-state", round=1), timeout=10
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pull.read()
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert await b.exchange.next_received(JOB, "ps-state", timeout_s=0.2) is None
+    finally:
+        await scheduler.close()

@@ -18,11 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hypha.cli.paths import absolute_path
 from hypha.config.common import NodeSettings
 from hypha.config.loader import load_settings, parse_overrides
 from hypha.config.template import render_example
 from hypha.errors import ConfigError, HyphaError
+from hypha.fsutil import write_atomic
 from hypha.logs import setup_logging
+from hypha.memtune import tune_malloc
 from hypha.net.probe import probe
 from hypha.net.telemetry import setup_tracing
 from hypha.net.tls import PathsTls, TlsMaterial
@@ -63,17 +66,19 @@ def _parser(spec: RoleCli) -> argparse.ArgumentParser:
 
     init = sub.add_parser("init", help="write a documented example config")
     init.add_argument("--name", required=True, help="node name (its certificate files are NAME-*.pem)")
-    init.add_argument("--certs", required=True, type=Path, help="directory holding NAME-cert/key/trust.pem")
-    init.add_argument("--out", required=True, type=Path, help="config file to write")
+    init.add_argument(
+        "--certs", required=True, type=absolute_path, help="directory holding NAME-cert/key/trust.pem"
+    )
+    init.add_argument("--out", required=True, type=absolute_path, help="config file to write")
     init.add_argument("--listen", default=spec.default_listen, help="HOST:PORT to serve on (port 0: any)")
     init.add_argument("--gateway", action="append", default=[], help="gateway HOST:PORT (repeatable)")
-    init.add_argument("--crl", type=Path, help="CRL file to honour")
+    init.add_argument("--crl", type=absolute_path, help="CRL file to honour")
     init.add_argument("--force", action="store_true", help="overwrite an existing file")
     if spec.init_flags:
         spec.init_flags(init)
 
     run = sub.add_parser("run", help="run the node")
-    run.add_argument("--config", required=True, type=Path)
+    run.add_argument("--config", required=True, type=absolute_path)
     run.add_argument("--listen", help="override net.listen")
     run.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="override log.level")
     run.add_argument(
@@ -83,14 +88,21 @@ def _parser(spec: RoleCli) -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override any config key, e.g. --set net.keepalive_s=30",
     )
-    run.add_argument("--ready-file", type=Path, help="write a JSON line here once serving")
+    run.add_argument("--ready-file", type=absolute_path, help="write a JSON line here once serving")
 
     pr = sub.add_parser("probe", help="health-check a node over mTLS (exit 0 = healthy)")
     pr.add_argument("address", help="HOST:PORT")
-    pr.add_argument("--certs", required=True, type=Path)
+    pr.add_argument("--certs", required=True, type=absolute_path)
     pr.add_argument("--name", required=True, help="use NAME-cert/key/trust.pem from --certs")
     pr.add_argument("--timeout", type=float, default=5.0)
     pr.add_argument("--service", default="", help="health service name (default: overall)")
+    pr.add_argument(
+        "--server-name",
+        metavar="NAME",
+        help="name to expect in the server's certificate instead of ADDRESS's host (a container "
+        "probing its own node on 127.0.0.1 names the node: certificates carry no loopback SAN "
+        "unless issued with --loopback)",
+    )
 
     for name, (help_text, _) in spec.commands.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -148,6 +160,7 @@ def _run(spec: RoleCli, args: argparse.Namespace) -> int:
         overrides.setdefault("log", {})["level"] = args.log_level
     settings = load_settings(spec.settings_cls, args.config, overrides)
     setup_logging(settings.log.level, settings.log.format, node=settings.name)
+    tune_malloc()  # every node moves large payloads (hypha.memtune)
     setup_tracing(
         settings.telemetry.service_name or f"{spec.prog}:{settings.name}",
         settings.telemetry.otlp_endpoint,
@@ -177,9 +190,7 @@ async def _serve(build: Callable[[], Node], ready_file: Path | None) -> int:
     line = json.dumps(node.ready_info())
     print(line, flush=True)
     if ready_file:
-        tmp = ready_file.with_suffix(ready_file.suffix + ".tmp")
-        tmp.write_text(line + "\n")
-        tmp.replace(ready_file)
+        write_atomic(ready_file, (line + "\n").encode(), mode=0o644)
     await stop.wait()
     log.info("shutting down")
     await node.stop()
@@ -188,7 +199,9 @@ async def _serve(build: Callable[[], Node], ready_file: Path | None) -> int:
 
 def _probe(spec: RoleCli, args: argparse.Namespace) -> int:
     tls = TlsMaterial.load(PathsTls.from_certs_dir(args.certs, args.name))
-    healthy, reason = asyncio.run(probe(tls, args.address, timeout_s=args.timeout, service=args.service))
+    healthy, reason = asyncio.run(
+        probe(tls, args.address, timeout_s=args.timeout, service=args.service, server_name=args.server_name)
+    )
     if healthy:
         print(f"{args.address}: {reason}")
         return 0

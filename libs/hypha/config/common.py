@@ -56,7 +56,9 @@ class NetConfig(BaseModel):
     external_addresses: list[str] = Field(
         default_factory=list,
         description="Addresses (HOST:PORT) to advertise to peers, e.g. behind NAT; empty: the bound listen "
-        "address.",
+        "address, or for a wildcard listen (0.0.0.0, ::) this host's non-loopback addresses, never "
+        "127.0.0.1 unless it has no other. Peers check the address dialled against the certificate's "
+        "SANs (hypha-certutil node --san).",
     )
     gateways: list[Annotated[str, AfterValidator(_check_host_port)]] = Field(
         default_factory=list, description="Gateways (HOST:PORT) to connect to, tried in this order."
@@ -66,6 +68,34 @@ class NetConfig(BaseModel):
     )
     keepalive_s: float = Field(
         20.0, gt=0, description="Seconds between gRPC keepalive pings on idle connections."
+    )
+    max_concurrent_rpcs: int = Field(
+        1024,
+        ge=1,
+        description="Most gRPC calls (streams included) this node's server runs at once; more are "
+        "refused with RESOURCE_EXHAUSTED.",
+    )
+    max_rpcs_per_peer: int = Field(
+        256,
+        ge=1,
+        description="Of those, most one peer (one certificate's peer id) may hold at once; more are refused "
+        "with RESOURCE_EXHAUSTED, so one peer cannot take every slot.",
+    )
+    relay_max_calls: int = Field(
+        64,
+        ge=1,
+        description="Most relayed calls this node serves at once; more are refused RESOURCE_EXHAUSTED.",
+    )
+    relay_max_calls_per_peer: int = Field(
+        16,
+        ge=1,
+        description="Of those, most one calling peer may hold at once; more are refused RESOURCE_EXHAUSTED.",
+    )
+    relay_max_call_s: float = Field(
+        3600.0,
+        gt=0,
+        description="Longest a relayed call this node serves may run: the deadline of a call whose caller "
+        "set none, and the cap of a longer one (it ends DEADLINE_EXCEEDED).",
     )
 
     _listen = field_validator("listen")(_check_host_port)

@@ -28,6 +28,8 @@ S = TypeVar("S", bound=NodeSettings)
 
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # no leading "_": those are BaseSettings options
 _TOML_POSITION = re.compile(r"^(.*) \(at line (\d+), column (\d+)\)$")
+#: A TOML bare key: printed as is in messages, any other key quoted.
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _ABSENT = object()
 
 
@@ -35,9 +37,12 @@ def load_settings(cls: type[S], path: Path | None, overrides: Mapping[str, Any] 
     """Build ``cls`` from ``path`` < ``HYPHA_*`` environment < ``overrides``.
 
     ``overrides`` keys may be dotted (``{"net.listen": "0.0.0.0:0"}``) or nested
-    dicts, as ``parse_overrides`` returns. Relative paths in the file, and relative
-    default paths, are rebased on the file's directory; those from the environment
-    or flags stay relative to the working directory, as a shell user expects.
+    dicts, as ``parse_overrides`` returns. Every path in the result is absolute:
+    relative paths in the file, and relative default paths, are rebased on the
+    file's directory; those from the environment or flags (and defaults when there
+    is no file) on the working directory at load time, as a shell user expects.
+    Resolving here, once, matters because nodes hand paths to processes that run
+    elsewhere (an executor's working directory is its job's work dir).
     """
     file_values = _read_file(cls, path) if path is not None else {}
     layer: dict[str, Any] = {}
@@ -46,8 +51,7 @@ def load_settings(cls: type[S], path: Path | None, overrides: Mapping[str, Any] 
     token = FILE_VALUES.set(file_values)
     try:
         settings = cls(**layer)
-        if path is not None:
-            _rebase_defaults(settings, path.absolute().parent)
+        _make_absolute(settings, path.absolute().parent if path is not None else Path.cwd(), Path.cwd())
         return settings
     except ValidationError as err:
         raise ConfigError(_describe(err, cls, path, layer)) from None
@@ -148,18 +152,25 @@ def _rebase_paths(cls: type[BaseModel], data: dict[str, Any], base: Path) -> Non
                         _rebase_paths(args[0], item, base)
 
 
-def _rebase_defaults(model: BaseModel, base: Path) -> None:
-    """Anchor relative default paths on the config file's directory too, as if the file held them.
+def _make_absolute(model: BaseModel, defaults_base: Path, given_base: Path) -> None:
+    """Make every relative path left in ``model`` absolute, in place.
 
-    So a key means the same whether ``init`` wrote it out or the user deleted the line.
+    Paths from the file arrive absolute already (``_rebase_paths``). A default
+    path is anchored on ``defaults_base`` (the config file's directory, so a key
+    means the same whether ``init`` wrote it out or the user deleted the line);
+    a path given through the environment or a flag on ``given_base`` (the
+    working directory).
     """
     for name in type(model).model_fields:
         value = getattr(model, name)
-        if isinstance(value, Path) and not value.is_absolute() and name not in model.model_fields_set:
-            setattr(model, name, base / value)
+        base = given_base if name in model.model_fields_set else defaults_base
+        if isinstance(value, Path) and not value.is_absolute():
+            setattr(model, name, base / value.expanduser())
+        elif isinstance(value, list) and any(isinstance(item, Path) for item in value):
+            setattr(model, name, [base / v.expanduser() if isinstance(v, Path) else v for v in value])
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, BaseModel):
-                _rebase_defaults(item, base)
+                _make_absolute(item, defaults_base, given_base)
 
 
 def _unwrap(annotation: Any) -> tuple[Any, ...]:
@@ -173,6 +184,30 @@ def _is_model(kind: Any) -> typing.TypeGuard[type[BaseModel]]:
     return isinstance(kind, type) and issubclass(kind, BaseModel)
 
 
+def _known_keys(cls: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
+    """The keys the table at ``loc`` accepts (as in job-file errors), so a typo shows its fix."""
+    model: type[BaseModel] | None = cls
+    for part in loc:
+        if model is None:
+            return []
+        if isinstance(part, int):
+            continue  # an item of a list of tables: the list's field already chose the model
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        kinds = [k for kind in _unwrap(field.annotation) for k in (kind, *typing.get_args(kind))]
+        model = next((kind for kind in kinds if _is_model(kind)), None)
+    return sorted(model.model_fields) if model is not None else []
+
+
+def _key_part(part: int | str) -> str:
+    """One step of a dotted key; odd names are quoted as TOML quotes them, so a
+    control character in a key cannot reach the operator's terminal raw."""
+    if isinstance(part, int):
+        return f"[{part}]"
+    return f".{part}" if _BARE_KEY.fullmatch(part) else f".{json.dumps(part)}"
+
+
 def _describe(
     err: ValidationError, cls: type[NodeSettings], path: Path | None, overrides: dict[str, Any]
 ) -> str:
@@ -180,9 +215,10 @@ def _describe(
     lines = []
     for problem in err.errors():
         loc = problem["loc"]
-        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+        key = "".join(_key_part(p) for p in loc).lstrip(".")
         if problem["type"] == "extra_forbidden":
-            message = "unknown key"
+            known = _known_keys(cls, loc[:-1])
+            message = f"unknown key (known here: {', '.join(known)})" if known else "unknown key"
         elif problem["type"] == "missing":
             message = "field required"
         else:

@@ -1,47 +1,34 @@
-"""A DHT node (bootstrap, announce, find providers) and the publisher that keeps records alive.
+"""A DHT node: bootstrap, announce, find providers.
 
 Gateways run a ``DhtNode`` as the stable bootstrap points; data nodes run one
-with a ``Publisher`` that announces a signed provider record per dataset and
-republishes it before it expires; schedulers call ``find_providers``. Every
-lookup is bounded by a deadline, and every record is verified again by the
-reader, whatever the storer claimed.
+with a ``Publisher`` (``hypha.dht.publisher``); schedulers call
+``find_providers``. Every lookup is bounded by a deadline, and every record is
+verified again by the reader, whatever the storer claimed.
+
+A lookup answers as soon as it holds enough verified providers (one by
+default: every storer keeps the whole set, so the first answer is usually
+all of it) and lets its walk finish in the background, filling the
+``ProviderCache`` that the next lookups of that dataset answer from.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
-from cryptography import x509
-from cryptography.hazmat.primitives.asymmetric import ec
 from kademlia.network import Server
 from kademlia.node import Node
 
-from hypha.dht.protocol import (
-    MAX_PAGES,
-    ProviderProtocol,
-    is_scalar_value,
-    iterative_lookup,
-    parse_nodes,
-    provider_key,
-)
-from hypha.dht.records import (
-    Clock,
-    ProviderRecord,
-    ProviderTable,
-    RecordVerifier,
-    next_seq,
-    sign_record,
-)
-from hypha.errors import HyphaError, InvalidArgumentError
-from hypha.pki.identity import peer_id_of
+from hypha.dht.cache import ProviderCache
+from hypha.dht.health import PeerHealth, RttWindow
+from hypha.dht.lookup import iterative_lookup
+from hypha.dht.protocol import MAX_PAGES, NoValues, ProviderProtocol, parse_nodes, provider_key
+from hypha.dht.records import ProviderRecord, ProviderTable, RecordVerifier
+from hypha.errors import InvalidArgumentError
+from hypha.service import BackgroundTasks, Service
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +55,15 @@ class DhtServer(Server):
         verifier: RecordVerifier,
         providers: ProviderTable,
         rpc_timeout_s: float,
+        rtt: RttWindow,
+        health: PeerHealth,
     ) -> None:
-        super().__init__(ksize=ksize, alpha=alpha)
+        super().__init__(ksize=ksize, alpha=alpha, storage=NoValues())
         self.verifier = verifier
         self.providers = providers
         self.rpc_timeout_s = rpc_timeout_s
+        self.rtt = rtt
+        self.health = health
 
     def _create_protocol(self) -> ProviderProtocol:
         # The library builds its protocol with a hard-coded 5 s timeout here.
@@ -83,6 +74,8 @@ class DhtServer(Server):
             verifier=self.verifier,
             providers=self.providers,
             rpc_timeout_s=self.rpc_timeout_s,
+            rtt=self.rtt,
+            health=self.health,
         )
 
     def stop(self) -> None:
@@ -91,7 +84,7 @@ class DhtServer(Server):
             self.protocol.close()
 
 
-class DhtNode:
+class DhtNode(Service):
     """One DHT participant over UDP. Build with ``await DhtNode.create(...)``; ``stop()`` is idempotent."""
 
     def __init__(
@@ -104,28 +97,52 @@ class DhtNode:
         alpha: int,
         stall_s: float | None,
         min_stall_s: float,
+        max_stall_s: float | None,
         lookup_timeout_s: float,
         max_providers_per_key: int,
+        cache_fresh_s: float,
+        max_records_per_provider: int = 256,
+        max_stored_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         if rpc_timeout_s <= 0 or lookup_timeout_s <= 0 or ksize < 1 or alpha < 1:
             raise InvalidArgumentError("DHT timeouts must be positive and ksize, alpha at least 1")
+        if min_stall_s <= 0 or (max_stall_s is not None and max_stall_s < min_stall_s) or cache_fresh_s < 0:
+            raise InvalidArgumentError("0 < min_stall_s <= max_stall_s and cache_fresh_s >= 0")
         for address in bootstrap:
             split_host_port(address)
         self.verifier = verifier
         self.providers = ProviderTable(
-            max_per_key=max_providers_per_key, clock=verifier.clock, skew_s=verifier.max_skew_s
+            max_per_key=max_providers_per_key,
+            max_per_provider=max_records_per_provider,
+            max_bytes=max_stored_bytes,
+            clock=verifier.clock,
+            skew_s=verifier.max_skew_s,
         )
         self.rpc_timeout_s = rpc_timeout_s
         #: A query older than this stops holding a lookup slot; None = adaptive (see ``current_stall_s``).
         self.stall_s = stall_s
         self.min_stall_s = min_stall_s
+        self.max_stall_s = rpc_timeout_s / 2 if max_stall_s is None else min(max_stall_s, rpc_timeout_s)
         self.lookup_timeout_s = lookup_timeout_s
         self.ksize = ksize
         self.alpha = alpha
+        #: A dataset whose walk ended less than this ago is answered from the cache alone.
+        self.cache_fresh_s = cache_fresh_s
+        self.cache = ProviderCache(verifier, max_per_dataset=max_providers_per_key)
+        self.health = PeerHealth()
         self._bootstrap = list(bootstrap)
         self._server = DhtServer(
-            ksize=ksize, alpha=alpha, verifier=verifier, providers=self.providers, rpc_timeout_s=rpc_timeout_s
+            ksize=ksize,
+            alpha=alpha,
+            verifier=verifier,
+            providers=self.providers,
+            rpc_timeout_s=rpc_timeout_s,
+            rtt=RttWindow(),
+            health=self.health,
         )
+        #: Walks that outlived their lookup's answer, at most one per dataset.
+        self._refreshing: dict[str, asyncio.Task[list[Node]]] = {}
+        self._background = BackgroundTasks(log)
         self.host = ""
         self.port = 0
         self._stopped = False
@@ -142,9 +159,13 @@ class DhtNode:
         ksize: int = 20,
         alpha: int = 3,
         stall_s: float | None = None,
-        min_stall_s: float = 0.02,
+        min_stall_s: float = 0.005,
+        max_stall_s: float | None = None,
         lookup_timeout_s: float = 10.0,
         max_providers_per_key: int = 64,
+        cache_fresh_s: float = 2.0,
+        max_records_per_provider: int = 256,
+        max_stored_bytes: int = 64 * 1024 * 1024,
     ) -> DhtNode:
         """Bind UDP ``listen_host:port`` (0 = any free port, read into ``.port``); join via ``bootstrap``.
 
@@ -160,8 +181,12 @@ class DhtNode:
             alpha=alpha,
             stall_s=stall_s,
             min_stall_s=min_stall_s,
+            max_stall_s=max_stall_s,
             lookup_timeout_s=lookup_timeout_s,
             max_providers_per_key=max_providers_per_key,
+            cache_fresh_s=cache_fresh_s,
+            max_records_per_provider=max_records_per_provider,
+            max_stored_bytes=max_stored_bytes,
         )
         await node._server.listen(port, listen_host)
         node.host, node.port = node._server.transport.get_extra_info("sockname")[:2]
@@ -184,12 +209,13 @@ class DhtNode:
     def current_stall_s(self) -> float:
         """When a lookup stops waiting on a query: the fixed ``stall_s``, or else adaptive.
 
-        Adaptive: ``srtt + 4 * rttvar`` of this node's answered RPCs, at least
-        ``min_stall_s`` and at most half the RPC timeout.
+        Adaptive: the 90th percentile of this node's last 64 answered RPCs'
+        round trips, times 3, at least ``min_stall_s`` and at most
+        ``max_stall_s`` (default half the RPC timeout).
         """
         if self.stall_s is not None:
             return self.stall_s
-        return self.protocol.rtt.stall_s(self.min_stall_s, self.rpc_timeout_s / 2)
+        return self.protocol.rtt.stall_s(self.min_stall_s, self.max_stall_s)
 
     def contacts(self) -> int:
         """How many peers the routing table holds."""
@@ -198,15 +224,8 @@ class DhtNode:
     async def stop(self) -> None:
         if not self._stopped:
             self._stopped = True
+            await self._background.cancel()
             self._server.stop()
-
-    async def __aenter__(self) -> DhtNode:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
 
     # -- joining ---------------------------------------------------------------
 
@@ -273,6 +292,8 @@ class DhtNode:
             alpha=self.alpha,
             stall_s=self.current_stall_s,
             deadline=asyncio.get_running_loop().time() + timeout_s,
+            skip=lambda node: self.health.backing_off(node.id),
+            on_stall=self.protocol.peer_failed,
         )
 
     async def announce(
@@ -298,29 +319,48 @@ class DhtNode:
         log.debug("announced %s seq %d on %d/%d nodes", record.dataset, record.seq, accepted, len(nodes))
         return accepted
 
-    async def find_providers(self, dataset: str, timeout_s: float | None = None) -> list[ProviderRecord]:
-        """Every live, verified provider of ``dataset`` the closest nodes know, newest seq per provider.
+    async def find_providers(
+        self, dataset: str, timeout_s: float | None = None, *, min_providers: int | None = 1
+    ) -> list[ProviderRecord]:
+        """Live, verified providers of ``dataset``, newest seq per provider, ordered by peer id.
 
-        Returns within ``timeout_s`` (default ``lookup_timeout_s``) with what
-        was found by then. Ordered by provider peer id.
+        Answers as soon as ``min_providers`` distinct providers are verified
+        (from a cache refreshed less than ``cache_fresh_s`` ago, this node's
+        own store, or the first storers that answer); the walk then goes on
+        in the background to refresh the cache. ``min_providers=None`` waits
+        for the whole walk: every provider the closest nodes know. Returns
+        within ``timeout_s`` (default ``lookup_timeout_s``) with what was
+        found by then, plus unexpired cached records.
         """
+        if min_providers is not None and min_providers < 1:
+            raise InvalidArgumentError("min_providers must be at least 1 (or None: the whole walk)")
+        cached = self.cache.get(dataset)
+        if (
+            min_providers is not None
+            and len(cached) >= min_providers
+            and self.cache.is_fresh(dataset, self.cache_fresh_s)
+        ):
+            return cached
         dkey = provider_key(dataset)
-        best: dict[str, ProviderRecord] = {}
+        found: dict[str, ProviderRecord] = {}
+        enough = asyncio.Event()
 
         def consider(blob: bytes) -> None:
-            try:
-                record = self.verifier.verify(blob)
-            except HyphaError as err:
-                log.debug("dropping provider record for %s: %s", dataset, err.message)
+            record = self.cache.add(dataset, blob)  # verifies; None when it does not
+            if record is None:
                 return
-            if record.dataset != dataset:
-                return
-            current = best.get(record.provider)
+            current = found.get(record.provider)
             if current is None or record.seq > current.seq:
-                best[record.provider] = record
+                found[record.provider] = record
+
+        def answered() -> None:
+            # Counted per whole answer (every page), so the early answer is one storer's full set.
+            if min_providers is not None and len(found) >= min_providers:
+                enough.set()
 
         for _, blob in self.providers.get(dkey):
             consider(blob)
+        answered()
 
         async def query(node: Node) -> list[Node] | None:
             nodes: list[Node] | None = None
@@ -336,145 +376,37 @@ class DhtNode:
                 if page.next_after is None or page.next_after <= after:
                     break
                 after = page.next_after
+            answered()
             return nodes
 
-        await self._ensure_joined()
-        await self._walk(dkey, query, timeout_s or self.lookup_timeout_s)
-        return [best[p] for p in sorted(best)]
+        if not enough.is_set():
+            await self._ensure_joined()
+        walk = self._background.spawn(
+            self._walk(dkey, query, timeout_s or self.lookup_timeout_s), name=f"dht-find-{dataset}"
+        )
+        walk.add_done_callback(lambda done: self._walk_ended(dataset, done))
+        early = asyncio.ensure_future(enough.wait())
+        try:
+            await asyncio.wait({walk, early}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            early.cancel()
+            if not walk.done() and (not enough.is_set() or dataset in self._refreshing):
+                walk.cancel()  # the caller gave up, or another walk already refreshes this dataset
+            elif not walk.done():
+                self._refreshing[dataset] = walk
+        for record in self.cache.get(dataset):
+            current = found.get(record.provider)
+            if current is None or record.seq > current.seq:
+                found[record.provider] = record
+        return [found[p] for p in sorted(found)]
 
-    # -- plain values ------------------------------------------------------------
+    async def wait_refreshed(self) -> None:
+        """Until the walks that outlived their lookups' answers have ended (tests, benchmarks)."""
+        while self._refreshing:
+            await asyncio.wait(list(self._refreshing.values()))
 
-    async def set_value(self, key: str, value: bytes | str | int | float | bool) -> bool:
-        """Store an unsigned scalar under ``key`` (kademlia's own store; nobody vouches for it)."""
-        if not is_scalar_value(value):
-            raise InvalidArgumentError("a DHT value must be bytes, str, int, float or bool within 8137 bytes")
-        await self._ensure_joined()
-        return bool(await self._server.set(key, value))
-
-    async def get_value(self, key: str) -> Any:
-        """The scalar some node stored under ``key``, or None."""
-        await self._ensure_joined()
-        return await self._server.get(key)
-
-
-@dataclass
-class _Published:
-    dataset: str
-    addresses: tuple[str, ...]
-    slice_count: int
-    record: ProviderRecord
-    #: Clock time of the next republish.
-    due: float
-
-
-class Publisher:
-    """Announces this node's provider records and re-signs each before it expires.
-
-    Each republish bumps ``seq`` and renews ``issued_at``/``expires_at``, so
-    storers replace the old record and readers see the newest. A republish
-    that reached no remote node is retried after ``retry_s``.
-    """
-
-    def __init__(
-        self,
-        node: DhtNode,
-        key: ec.EllipticCurvePrivateKey,
-        chain: Sequence[x509.Certificate],
-        *,
-        lifetime_s: float = 3600.0,
-        republish_fraction: float = 0.5,
-        retry_s: float = 5.0,
-        clock: Clock = time.time,
-    ) -> None:
-        if lifetime_s <= 0 or not 0 < republish_fraction < 1 or retry_s <= 0:
-            raise InvalidArgumentError(
-                "lifetime_s and retry_s must be positive, republish_fraction in (0, 1)"
-            )
-        if not chain:
-            raise InvalidArgumentError("a publisher needs its certificate chain")
-        self.node = node
-        self._key = key
-        self._chain = list(chain)
-        self.provider = peer_id_of(self._chain[0])
-        self.lifetime_s = lifetime_s
-        self.republish_fraction = republish_fraction
-        self.retry_s = retry_s
-        self.clock = clock
-        self._published: dict[str, _Published] = {}
-        self._last_seq: dict[str, int] = {}
-        self._lock = asyncio.Lock()
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    @property
-    def records(self) -> dict[str, ProviderRecord]:
-        """The newest record announced per dataset."""
-        return {name: entry.record for name, entry in self._published.items()}
-
-    async def publish(self, dataset: str, addresses: Sequence[str], slice_count: int) -> ProviderRecord:
-        """Sign and announce a fresh record for ``dataset``, then keep it alive until ``withdraw``."""
-        entry = await self._announce(dataset, tuple(addresses), slice_count)
-        self._published[dataset] = entry
-        self._wake.set()
-        return entry.record
-
-    def withdraw(self, dataset: str) -> None:
-        """Stop republishing ``dataset``; storers drop its record when it expires."""
-        self._published.pop(dataset, None)
-        self._wake.set()
-
-    async def _announce(self, dataset: str, addresses: tuple[str, ...], slice_count: int) -> _Published:
-        async with self._lock:
-            now = self.clock()
-            seq = next_seq(self._last_seq.get(dataset), now)
-            record = ProviderRecord.issue(
-                dataset, self.provider, addresses, slice_count, seq=seq, now=now, lifetime_s=self.lifetime_s
-            )
-            blob = sign_record(record, self._key, self._chain)
-            self._last_seq[dataset] = seq
-            due = now + self.lifetime_s * self.republish_fraction
-            if await self.node.announce(blob) == 0:
-                log.warning("provider record for %s reached no DHT peer; retrying", dataset)
-                due = min(due, self.clock() + self.retry_s)
-            return _Published(dataset, addresses, slice_count, record, due)
-
-    async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="dht-publisher")
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def __aenter__(self) -> Publisher:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
-
-    async def _run(self) -> None:
-        while True:
-            self._wake.clear()
-            now = self.clock()
-            wait = min((e.due for e in self._published.values()), default=None)
-            if wait is None or wait > now:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), None if wait is None else wait - now)
-                continue
-            for entry in list(self._published.values()):
-                if entry.due > self.clock():
-                    continue
-                try:
-                    renewed = await self._announce(entry.dataset, entry.addresses, entry.slice_count)
-                except (HyphaError, OSError) as err:
-                    log.warning("republishing %s failed: %s", entry.dataset, err)
-                    entry.due = self.clock() + self.retry_s
-                    continue
-                if self._published.get(entry.dataset) is entry:  # not withdrawn or re-published meanwhile
-                    self._published[entry.dataset] = renewed
+    def _walk_ended(self, dataset: str, walk: asyncio.Task[list[Node]]) -> None:
+        if self._refreshing.get(dataset) is walk:
+            del self._refreshing[dataset]
+        if not walk.cancelled():
+            self.cache.mark_refreshed(dataset)

@@ -7,33 +7,48 @@ What the stock ``kademlia`` 2.2.3 protocol lacks, and this subclass adds:
 - ``add_provider`` / ``get_providers``: the library keeps one value per key,
   but a dataset has several providers. A storer keeps a verified set per key
   (``ProviderTable``) and answers with pages of record blobs plus closer nodes;
-- validation of everything a peer sends: a plain ``store`` of a non-scalar
-  value is refused (the library would keep it and every later ``get()`` of
-  that key would raise), malformed responses count as no response, and
-  malformed datagrams are dropped quietly instead of raising in a task.
+- no plain values: kademlia's ``store`` is refused from every peer (anyone
+  on UDP could otherwise fill a storer with unsigned values kept a week),
+  and the node keeps none (``NoValues``); the DHT carries signed provider
+  records only, in a ``ProviderTable`` bounded per dataset, per provider and
+  in bytes;
+- validation of everything a peer sends: malformed responses count as no
+  response, and malformed datagrams are dropped quietly instead of raising
+  in a task;
+- the wire codec on the ``msgpack`` C extension: rpcudp's frames and the
+  same bytes, but the library's pure-Python u-msgpack spends ~85 us on each
+  provider reply (packing and again unpacking), a third of a loopback walk.
+  Replies are handled in the datagram callback, without a task each.
 
-``iterative_lookup`` is the one lookup loop used for announcing and finding
-providers: it keeps ``alpha`` queries in flight, stops counting a query
-against ``alpha`` once it has stalled, and finishes without waiting for dead
-peers once enough of the closest nodes have answered.
+Every call this node makes is timed and remembered (``hypha.dht.health``):
+answers feed the RTT window the stall threshold comes from, and failures the
+backoff table that lets lookups skip a peer that just failed; a peer is
+dropped from routing only after repeated failures, not after one lost
+datagram. The reply is awaited even after the caller gave up on it (a
+stalled query), so a late answer still counts as the peer being alive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import inspect
 import logging
-import math
-from collections.abc import Awaitable, Callable, Sequence
+import os
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 from kademlia.node import Node
 from kademlia.protocol import KademliaProtocol
 from kademlia.storage import IStorage
 
+from hypha.dht.health import PeerHealth, RttWindow
 from hypha.dht.records import MAX_RECORD_BYTES, ProviderTable, RecordVerifier
 from hypha.errors import HyphaError
+from hypha.service import BackgroundTasks
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +57,8 @@ MAX_VALUE_BYTES = 8137
 #: Bytes of record blobs in one get_providers answer. It keeps a reply near
 #: the size of the largest request the library sends, well under a UDP datagram.
 PAGE_BUDGET_BYTES = 7000
+#: rpcudp's limit on a request body, kept so peers on the stock library accept ours.
+MAX_REQUEST_BYTES = 8192
 #: A reader follows at most this many pages from one storer.
 MAX_PAGES = 32
 _SCALARS = (bytes, str, int, float, bool)
@@ -54,6 +71,25 @@ def provider_key(dataset: str) -> bytes:
     collide with (or be mistaken for) its provider set.
     """
     return hashlib.sha1(b"hypha/providers/" + dataset.encode("utf-8")).digest()
+
+
+class NoValues(IStorage):
+    """The plain-value store of a node that keeps no plain values: writes vanish, reads find nothing."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        return None
+
+    def __getitem__(self, key: Any) -> Any:
+        raise KeyError(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return default
+
+    def iter_older_than(self, seconds_old: float) -> Iterator[tuple[Any, Any]]:
+        return iter(())
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        return iter(())
 
 
 def is_scalar_value(value: object) -> bool:
@@ -86,33 +122,6 @@ def parse_nodes(value: object) -> list[Node] | None:
     return nodes
 
 
-class RttEstimator:
-    """Smoothed round-trip time of this node's answered RPCs (Jacobson/Karels, as TCP's RTO).
-
-    Lookups use it to decide when a query has stalled: a peer that has not
-    answered within ``srtt + 4 * rttvar`` is probably dead, whatever the
-    fixed RPC timeout says, so on a fast network a dead peer costs
-    milliseconds and on a slow one the threshold grows with the RTT.
-    """
-
-    def __init__(self) -> None:
-        self.srtt_s: float | None = None
-        self.rttvar_s = 0.0
-
-    def observe(self, rtt_s: float) -> None:
-        if self.srtt_s is None:
-            self.srtt_s, self.rttvar_s = rtt_s, rtt_s / 2
-            return
-        self.rttvar_s = 0.75 * self.rttvar_s + 0.25 * abs(self.srtt_s - rtt_s)
-        self.srtt_s = 0.875 * self.srtt_s + 0.125 * rtt_s
-
-    def stall_s(self, floor_s: float, cap_s: float) -> float:
-        """``srtt + 4 * rttvar`` within [floor_s, cap_s]; ``cap_s`` until an RPC has been answered."""
-        if self.srtt_s is None:
-            return cap_s
-        return min(cap_s, max(floor_s, self.srtt_s + 4 * self.rttvar_s))
-
-
 @dataclass(frozen=True)
 class ProvidersPage:
     """One get_providers answer: record blobs (unverified), closer nodes, and the paging cursor."""
@@ -134,13 +143,18 @@ class ProviderProtocol(KademliaProtocol):
         verifier: RecordVerifier,
         providers: ProviderTable,
         rpc_timeout_s: float,
+        rtt: RttWindow | None = None,
+        health: PeerHealth | None = None,
     ) -> None:
         # NOTE: RPCProtocol.__getattr__ turns any unknown attribute into a remote
         # call, so every attribute this class reads is set here, before use.
         self.verifier = verifier
         self.providers = providers
-        self._background: set[asyncio.Task[Any]] = set()
-        self.rtt = RttEstimator()
+        self._background = BackgroundTasks(log)
+        self.rtt = RttWindow() if rtt is None else rtt
+        self.health = PeerHealth() if health is None else health
+        #: Plain ``store`` requests refused (every one that arrives).
+        self.refused_stores = 0
         super().__init__(source_node, storage, ksize)
         self._wait_timeout = rpc_timeout_s
 
@@ -167,12 +181,10 @@ class ProviderProtocol(KademliaProtocol):
         return super().rpc_find_value(sender, nodeid, key)
 
     def rpc_store(self, sender: Any, nodeid: object, key: object, value: object) -> bool:
-        if self._source(sender, nodeid) is None or not _is_id(key):
-            return False
-        if not is_scalar_value(value):
-            log.debug("refusing store of a %s from %s", type(value).__name__, sender)
-            return False
-        return bool(super().rpc_store(sender, nodeid, key, value))
+        """Always refused: nobody vouches for a plain value (signed provider records only)."""
+        self.refused_stores += 1
+        log.debug("refusing a plain store from %s", sender)
+        return False
 
     def rpc_add_provider(self, sender: Any, nodeid: object, key: object, blob: object) -> bool:
         """Keep a provider record if it verifies and belongs under ``key``."""
@@ -229,26 +241,50 @@ class ProviderProtocol(KademliaProtocol):
         this_closest = self.source_node.distance_to(keynode) < neighbors[0].distance_to(keynode)
         return bool(new_node_close and this_closest)
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._background.spawn(coro, name="dht-push")
 
     # -- calling -------------------------------------------------------------
 
     async def _call(self, node: Node, method: str, *args: Any) -> tuple[bool, Any]:
         remote = getattr(self, method)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        ok, value = await remote((node.ip, node.port), self.source_node.id, *args)
-        if ok:
-            self.rtt.observe(loop.time() - started)
-        return ok, value
+        started = asyncio.get_running_loop().time()
+        reply: asyncio.Future[tuple[bool, Any]] = remote((node.ip, node.port), self.source_node.id, *args)
+        reply.add_done_callback(lambda done: self._settle(node, started, done))
+        # Shielded: a lookup that stops waiting (stalled query, early answer)
+        # leaves the reply to arrive or time out, and _settle to record which.
+        return await asyncio.shield(reply)
+
+    def _settle(self, node: Node, started: float, reply: asyncio.Future[tuple[bool, Any]]) -> None:
+        if reply.cancelled():
+            return
+        if reply.result()[0]:
+            self.rtt.observe(asyncio.get_running_loop().time() - started)
+            self.health.succeeded(node.id)
+        else:
+            self.peer_failed(node)
+
+    def peer_failed(self, node: Node) -> None:
+        """``node`` timed out or stalled: back it off, and drop it from routing once it keeps failing."""
+        if self.health.failed(node.id):
+            log.debug("dropping %s from routing after %d failures", node, self.health.failures(node.id))
+            self.router.remove_contact(node)
+
+    def _nonsense(self, node: Node) -> tuple[bool, None]:
+        """A malformed answer counts as a failure of its peer (no answer at all)."""
+        self.peer_failed(node)
+        return False, None
+
+    def handle_call_response(self, result: Any, node: Node) -> Any:
+        """The library drops a peer from routing on its first failure; here ``peer_failed`` decides."""
+        if not result[0]:
+            return result
+        return super().handle_call_response(result, node)
 
     async def call_find_node(self, node_to_ask: Node, node_to_find: Node) -> tuple[bool, Any]:
         ok, value = await self._call(node_to_ask, "find_node", node_to_find.id)
         if ok and parse_nodes(value) is None:
-            ok, value = False, None
+            ok, value = self._nonsense(node_to_ask)
         return self.handle_call_response((ok, value), node_to_ask)
 
     async def call_find_value(self, node_to_ask: Node, node_to_find: Node) -> tuple[bool, Any]:
@@ -256,9 +292,9 @@ class ProviderProtocol(KademliaProtocol):
         if ok:
             if isinstance(value, dict):
                 if set(value) != {"value"} or not is_scalar_value(value["value"]):
-                    ok, value = False, None
+                    ok, value = self._nonsense(node_to_ask)
             elif parse_nodes(value) is None:
-                ok, value = False, None
+                ok, value = self._nonsense(node_to_ask)
         return self.handle_call_response((ok, value), node_to_ask)
 
     async def call_add_provider(self, node: Node, key: bytes, blob: bytes) -> bool:
@@ -270,25 +306,83 @@ class ProviderProtocol(KademliaProtocol):
         """One page from ``node``; None when it did not answer or answered nonsense."""
         ok, value = await self._call(node, "get_providers", key, after)
         page = _parse_page(value) if ok else None
+        if ok and page is None:
+            self._nonsense(node)
         self.handle_call_response((page is not None, value), node)
         return page
 
-    # -- rpcudp hardening ----------------------------------------------------
-    # NOTE: these override private rpcudp methods (pinned by kademlia 2.2.3's
-    # rpcudp 5.0): the library raises inside fire-and-forget tasks on malformed
-    # input and on a reply to a request whose caller gave up.
+    # -- wire: rpcudp's framing, msgpack's C codec ------------------------------
+    # NOTE: replaces rpcudp 5.0's (pinned by kademlia 2.2.3) private datagram
+    # handling and request closures. A datagram is a kind byte (0 request,
+    # 1 reply), a 20-byte message id and a msgpack body; ``msgpack`` packs the
+    # same bytes as the library's u-msgpack, so stock peers interoperate.
+    # Malformed input is dropped quietly (the library raises in a task).
 
-    async def _solve_datagram(self, datagram: bytes, address: Any) -> None:
-        try:
-            await super()._solve_datagram(datagram, address)
-        except Exception as err:  # a peer's garbage must not become a task error
-            log.debug("dropping malformed datagram from %s: %r", address, err)
+    def __getattr__(self, name: str) -> Any:
+        """``self.ping(address, *args)`` and the like: a request to the peer's ``rpc_<name>``, as rpcudp's."""
+        if name.startswith(("_", "rpc_")):
+            raise AttributeError(name)
+        return functools.partial(self._request, name)
 
-    async def _accept_request(self, msg_id: bytes, data: Any, address: Any) -> None:
+    def _request(self, name: str, address: Any, *args: Any) -> asyncio.Future[tuple[bool, Any]]:
+        """Send one request; the future holds (True, answer), or (False, None) after the RPC timeout."""
+        body = _pack([name, list(args)])
+        if len(body) > MAX_REQUEST_BYTES:
+            raise HyphaError(f"a DHT request is at most {MAX_REQUEST_BYTES} bytes, {name} was {len(body)}")
+        msg_id = os.urandom(20)
+        self.transport.sendto(b"\x00" + msg_id + body, address)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[tuple[bool, Any]] = loop.create_future()
+        self._outstanding[msg_id] = (future, loop.call_later(self._wait_timeout, self._timeout, msg_id))
+        return future
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        if len(data) < 22:
+            log.debug("dropping a %d-byte datagram from %s", len(data), addr)
+            return
         try:
-            await super()._accept_request(msg_id, data, address)
+            body = _unpack(data[21:])
+        except Exception as err:  # a peer's garbage must not become an error here
+            log.debug("dropping malformed datagram from %s: %r", addr, err)
+            return
+        if data[:1] == b"\x01":
+            self._accept_response(data[1:21], body, addr)
+        elif data[:1] == b"\x00":
+            self._accept_request(data[1:21], body, addr)
+
+    def _accept_request(self, msg_id: bytes, data: Any, address: Any) -> None:
+        try:
+            if not isinstance(data, list) or len(data) != 2 or not isinstance(data[0], str):
+                raise ValueError("not a [name, args] request")
+            name, args = data
+            handler = getattr(self, f"rpc_{name}", None)
+            if handler is None or not callable(handler) or not isinstance(args, list):
+                raise ValueError(f"no rpc_{name}, or its arguments are not a list")
+            response = handler(address, *args)
         except Exception as err:
             log.debug("dropping request from %s that failed: %r", address, err)
+            return
+        if inspect.isawaitable(response):
+            self._background.spawn(self._answer_later(msg_id, response, address), name="dht-answer")
+        else:
+            self._answer(msg_id, response, address)
+
+    async def _answer_later(self, msg_id: bytes, response: Any, address: Any) -> None:
+        try:
+            result = await response
+        except Exception as err:
+            log.debug("dropping request from %s that failed: %r", address, err)
+            return
+        self._answer(msg_id, result, address)
+
+    def _answer(self, msg_id: bytes, response: Any, address: Any) -> None:
+        try:
+            body = _pack(response)
+        except Exception as err:
+            log.debug("cannot encode the answer to %s: %r", address, err)
+            return
+        if self.transport is not None:
+            self.transport.sendto(b"\x01" + msg_id + body, address)
 
     def _accept_response(self, msg_id: bytes, data: Any, address: Any) -> None:
         entry = self._outstanding.pop(msg_id, None)
@@ -313,8 +407,16 @@ class ProviderProtocol(KademliaProtocol):
             if not future.done():
                 future.set_result((False, None))
         self._outstanding.clear()
-        for task in list(self._background):
-            task.cancel()
+        self._background.cancel_nowait()
+
+
+def _pack(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def _unpack(data: bytes) -> Any:
+    # Any map key, as u-msgpack allows; the parsers check what they read.
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
 def _parse_page(value: object) -> ProvidersPage | None:
@@ -329,106 +431,3 @@ def _parse_page(value: object) -> ProvidersPage | None:
     if nodes is None:
         return None
     return ProvidersPage(blobs, nodes, next_after)
-
-
-#: A lookup query: ask one node, return the closer nodes it named, or None if it failed.
-Query = Callable[[Node], Awaitable[list[Node] | None]]
-
-
-async def iterative_lookup(
-    self_id: bytes,
-    target: bytes,
-    seeds: Sequence[Node],
-    query: Query,
-    *,
-    ksize: int,
-    alpha: int,
-    stall_s: float | Callable[[], float],
-    deadline: float | None = None,
-) -> list[Node]:
-    """Walk toward ``target``; return the closest nodes that answered (at most ``ksize``).
-
-    Unlike the library's lock-step rounds (each round waits for its slowest,
-    possibly dead, peer), up to ``alpha`` queries are kept in flight, and a
-    query older than ``stall_s`` (a number, or a function read at every step
-    so it can adapt as answers arrive) stops counting against ``alpha``. The walk
-    ends when every one of the ``ksize`` closest known nodes has answered or
-    failed, or when only stalled queries remain among them and at least half
-    of them answered.
-
-    NOTE: ending with stalled peers unasked-for is safe for provider lookups
-    because every record is stored on all ``ksize`` closest nodes; it turns a
-    dead peer's full RPC timeout into at most ``stall_s``. The caller bounds
-    the whole walk with ``deadline`` (event-loop time): when it passes, the
-    walk returns what it has and abandons the queries still in flight.
-    """
-    loop = asyncio.get_running_loop()
-    target_node = Node(target)
-    known: dict[bytes, Node] = {}
-    state: dict[bytes, str] = {}  # new | pending | ok | failed
-    started: dict[bytes, float] = {}
-    tasks: dict[asyncio.Task[list[Node] | None], Node] = {}
-
-    def learn(nodes: Sequence[Node]) -> None:
-        for node in nodes:
-            if node.id != self_id and node.id not in known:
-                known[node.id] = node
-                state[node.id] = "new"
-
-    async def ask(node: Node) -> list[Node] | None:
-        try:
-            return await query(node)
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # a query must never break the walk
-            log.debug("lookup query to %s failed: %r", node, err)
-            return None
-
-    learn(seeds)
-    ranked: list[Node] = []
-    stall_of = stall_s if callable(stall_s) else lambda: stall_s
-    try:
-        while True:
-            now = loop.time()
-            stall = stall_of()
-            if deadline is not None and now >= deadline:
-                log.debug("lookup for %s reached its deadline", target.hex())
-                break
-            ranked = sorted(
-                (n for n in known.values() if state[n.id] != "failed"), key=target_node.distance_to
-            )[:ksize]
-            fresh = sum(1 for n in tasks.values() if now - started[n.id] < stall)
-            for node in ranked:
-                if fresh >= alpha:
-                    break
-                if state[node.id] == "new":
-                    state[node.id] = "pending"
-                    started[node.id] = now
-                    tasks[asyncio.ensure_future(ask(node))] = node
-                    fresh += 1
-            states = [state[n.id] for n in ranked]
-            if "new" not in states:
-                pending = [n for n in ranked if state[n.id] == "pending"]
-                stalled_only = all(now - started[n.id] >= stall for n in pending)
-                if not pending or (stalled_only and states.count("ok") >= math.ceil(len(ranked) / 2)):
-                    break
-            if not tasks:
-                break
-            wake = [started[n.id] + stall - now for n in tasks.values() if now - started[n.id] < stall]
-            if deadline is not None:
-                wake.append(deadline - now)
-            done, _ = await asyncio.wait(
-                tasks, timeout=min(wake) if wake else None, return_when=asyncio.FIRST_COMPLETED
-            )
-            for task in done:
-                node = tasks.pop(task)
-                found = task.result()
-                if found is None:
-                    state[node.id] = "failed"
-                else:
-                    state[node.id] = "ok"
-                    learn(found)
-    finally:
-        for task in tasks:
-            task.cancel()
-    return [n for n in ranked if state[n.id] == "ok"]

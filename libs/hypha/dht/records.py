@@ -39,7 +39,8 @@ from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKey
 
 from hypha.errors import InvalidArgumentError, PermissionDeniedError
 from hypha.pki.certs import verify_chain
-from hypha.pki.identity import Role, peer_id_of, role_of
+from hypha.pki.crl import RevocationChecker
+from hypha.pki.identity import Role, authority_key_id_of, peer_id_of, role_of
 
 #: Largest encoded record. kademlia's RPC layer refuses requests over 8 KiB
 #: (8137 bytes of value for a plain store); the provider RPCs carry a node id,
@@ -52,10 +53,22 @@ DEFAULT_MAX_SKEW_S = 30.0
 MAX_ADDRESSES = 8
 MAX_CHAIN_CERTS = 4
 MAX_DATASET_CHARS = 256
-RECORD_VERSION = 1
+#: 2 added ``manifest_sha256``, the pin of the dataset's content.
+RECORD_VERSION = 2
 _BODY_FIELDS = frozenset(
-    {"v", "dataset", "provider", "addresses", "slice_count", "seq", "issued_at", "expires_at"}
+    {
+        "v",
+        "dataset",
+        "provider",
+        "addresses",
+        "slice_count",
+        "seq",
+        "issued_at",
+        "expires_at",
+        "manifest_sha256",
+    }
 )
+_HEX = frozenset("0123456789abcdef")
 
 Clock = Callable[[], float]
 
@@ -102,6 +115,10 @@ class ProviderRecord:
     seq: int
     issued_at: float
     expires_at: float
+    #: Hex sha256 of the dataset's manifest (``Manifest.digest``), which lists every slice's
+    #: sha256: fetchers check the manifest they get against it, so a provider cannot serve other
+    #: bytes under this name. Empty means unpinned (only a record built by hand; data nodes pin).
+    manifest_sha256: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not 0 < len(self.dataset) <= MAX_DATASET_CHARS:
@@ -118,6 +135,11 @@ class ProviderRecord:
         expires = _check_time("expires_at", self.expires_at)
         if expires <= issued:
             raise InvalidArgumentError("expires_at must be after issued_at")
+        pin = self.manifest_sha256
+        if not isinstance(pin, str) or (pin and (len(pin) != 64 or not set(pin) <= _HEX)):
+            raise InvalidArgumentError(
+                f"manifest_sha256 must be empty or 64 lower-case hex digits, got {pin!r}"
+            )
 
     @classmethod
     def issue(
@@ -130,8 +152,11 @@ class ProviderRecord:
         seq: int,
         now: float,
         lifetime_s: float,
+        manifest_sha256: str = "",
     ) -> ProviderRecord:
-        return cls(dataset, provider, tuple(addresses), slice_count, seq, now, now + lifetime_s)
+        return cls(
+            dataset, provider, tuple(addresses), slice_count, seq, now, now + lifetime_s, manifest_sha256
+        )
 
     @property
     def lifetime_s(self) -> float:
@@ -150,6 +175,7 @@ class ProviderRecord:
             "seq": self.seq,
             "issued_at": self.issued_at,
             "expires_at": self.expires_at,
+            "manifest_sha256": self.manifest_sha256,
         }
 
     @classmethod
@@ -174,6 +200,7 @@ class ProviderRecord:
             seq=body["seq"],
             issued_at=_check_time("issued_at", body["issued_at"]),
             expires_at=_check_time("expires_at", body["expires_at"]),
+            manifest_sha256=body["manifest_sha256"],
         )
 
 
@@ -235,6 +262,8 @@ class _VerifiedChain:
     #: The window in which every certificate of the verified path is valid.
     not_before: float
     not_after: float
+    #: (issuer, serial, authority key id) of every certificate of the path, leaf first.
+    names: tuple[tuple[x509.Name, int, bytes | None], ...] = ()
 
 
 def _b64(value: object, what: str) -> bytes:
@@ -264,6 +293,7 @@ class RecordVerifier:
         max_lifetime_s: float = MAX_LIFETIME_S,
         roles: frozenset[Role] = frozenset({Role.DATA}),
         cache_size: int = 4096,
+        revocation: RevocationChecker | None = None,
     ) -> None:
         if not trusted_cas:
             raise InvalidArgumentError("a record verifier needs at least one trusted CA")
@@ -273,6 +303,8 @@ class RecordVerifier:
         self.max_lifetime_s = max_lifetime_s
         self._roles = roles
         self._cache_size = cache_size
+        #: Checked on every verify, cached or not: a CRL may list a signer after its record was kept.
+        self._revocation = revocation
         self._chains: OrderedDict[bytes, _VerifiedChain] = OrderedDict()
         self._blobs: OrderedDict[bytes, tuple[ProviderRecord, _VerifiedChain]] = OrderedDict()
 
@@ -313,6 +345,7 @@ class RecordVerifier:
         if not isinstance(ders, list) or not 0 < len(ders) <= MAX_CHAIN_CERTS:
             raise InvalidArgumentError(f"chain must list 1..{MAX_CHAIN_CERTS} certificates")
         chain = self._verify_chain([_b64(der, "chain certificate") for der in ders], now)
+        self._check_chain_window(chain, now)  # a chain verified just now may still be revoked
         if record.provider != chain.peer_id:
             raise PermissionDeniedError(
                 f"record names provider {record.provider} but is signed by {chain.peer_id}"
@@ -352,6 +385,7 @@ class RecordVerifier:
             role=role,
             not_before=max(c.not_valid_before_utc.timestamp() for c in path),
             not_after=min(c.not_valid_after_utc.timestamp() for c in path),
+            names=tuple((c.issuer, c.serial_number, authority_key_id_of(c)) for c in path),
         )
         self._remember(self._chains, digest, verified)
         return verified
@@ -365,6 +399,10 @@ class RecordVerifier:
     def _check_chain_window(self, chain: _VerifiedChain, now: float) -> None:
         if not chain.not_before <= now <= chain.not_after:
             raise PermissionDeniedError("record certificate chain is not valid now")
+        if self._revocation is not None:
+            for issuer, serial, aki in chain.names:
+                if self._revocation.is_revoked(issuer, serial, aki):
+                    raise PermissionDeniedError("record signed under a revoked certificate")
 
     def _check_times(self, record: ProviderRecord, chain: _VerifiedChain, now: float) -> None:
         self._check_record_times(record, now)
@@ -385,6 +423,7 @@ class PutOutcome(StrEnum):
     STALE = "stale"  # lower seq than stored: a replay, refused
     EXPIRED = "expired"  # already expired, refused
     FULL = "full"  # the key (or the table) holds its maximum, and nothing could be evicted
+    OVER_QUOTA = "over_quota"  # the provider holds its maximum of records (``max_per_provider``)
 
     @property
     def accepted(self) -> bool:
@@ -403,43 +442,89 @@ class ProviderTable:
 
     Records must be verified before ``put``; the table only orders them
     (highest seq wins), expires them and bounds memory, so a flood of valid
-    records from many identities cannot grow it without limit.
+    records cannot grow it without limit: at most ``max_keys`` datasets,
+    ``max_per_key`` providers each, ``max_per_provider`` records of one
+    provider (one certificate's peer id: one data node cannot fill the table
+    by announcing many names) and ``max_bytes`` of record blobs in all.
+    Every record expires with its own ``expires_at`` (at most a day away).
     """
 
     max_per_key: int = 64
     max_keys: int = 4096
+    max_per_provider: int = 256
+    max_bytes: int = 64 * 1024 * 1024
     clock: Clock = time.time
     #: Keep a record this long past its expiry, matching the verifier's skew allowance.
     skew_s: float = 0.0
     _keys: dict[bytes, dict[str, _Entry]] = field(default_factory=dict)
+    #: Records held per provider, and blob bytes held in all (kept in step by _add/_remove).
+    _per_provider: dict[str, int] = field(default_factory=dict)
+    _bytes: int = 0
+
+    @property
+    def stored_bytes(self) -> int:
+        return self._bytes
+
+    def records_of(self, provider: str) -> int:
+        return self._per_provider.get(provider, 0)
 
     def put(self, key: bytes, record: ProviderRecord, blob: bytes) -> PutOutcome:
         now = self.clock()
         if record.is_expired(now, self.skew_s):
             return PutOutcome.EXPIRED
         providers = self._keys.get(key)
+        current = None if providers is None else providers.get(record.provider)
+        if providers is not None and current is not None:
+            if record.seq < current.record.seq:
+                return PutOutcome.STALE
+            if record.seq == current.record.seq:
+                return PutOutcome.UNCHANGED
+            if not self._room(len(blob) - len(current.blob)):
+                return PutOutcome.FULL
+            self._remove(providers, record.provider)
+            self._add(providers, record, blob)
+            return PutOutcome.REPLACED
+        if self.records_of(record.provider) >= self.max_per_provider:
+            self.prune()
+            if self.records_of(record.provider) >= self.max_per_provider:
+                return PutOutcome.OVER_QUOTA
+        if not self._room(len(blob)):
+            return PutOutcome.FULL
         if providers is None:
             self.prune()
             if len(self._keys) >= self.max_keys:
                 return PutOutcome.FULL
             providers = self._keys[key] = {}
-        current = providers.get(record.provider)
-        if current is not None:
-            if record.seq < current.record.seq:
-                return PutOutcome.STALE
-            if record.seq == current.record.seq:
-                return PutOutcome.UNCHANGED
-            providers[record.provider] = _Entry(record, blob)
-            return PutOutcome.REPLACED
         self._drop_expired(providers, now)
         if len(providers) >= self.max_per_key:
             # Evict the record that dies first, but only for one that lives longer.
             victim = min(providers.values(), key=lambda e: e.record.expires_at)
             if victim.record.expires_at >= record.expires_at:
                 return PutOutcome.FULL
-            del providers[victim.record.provider]
-        providers[record.provider] = _Entry(record, blob)
+            self._remove(providers, victim.record.provider)
+        self._add(providers, record, blob)
         return PutOutcome.STORED
+
+    def _room(self, extra: int) -> bool:
+        """Whether ``extra`` more blob bytes fit, after dropping expired records if they do not."""
+        if self._bytes + extra <= self.max_bytes:
+            return True
+        self.prune()
+        return self._bytes + extra <= self.max_bytes
+
+    def _add(self, providers: dict[str, _Entry], record: ProviderRecord, blob: bytes) -> None:
+        providers[record.provider] = _Entry(record, blob)
+        self._per_provider[record.provider] = self._per_provider.get(record.provider, 0) + 1
+        self._bytes += len(blob)
+
+    def _remove(self, providers: dict[str, _Entry], provider: str) -> None:
+        entry = providers.pop(provider)
+        self._bytes -= len(entry.blob)
+        left = self._per_provider[provider] - 1
+        if left:
+            self._per_provider[provider] = left
+        else:
+            del self._per_provider[provider]
 
     def get(self, key: bytes) -> list[tuple[ProviderRecord, bytes]]:
         """Live records under ``key``, ordered by provider id (the paging order)."""
@@ -470,4 +555,4 @@ class ProviderTable:
 
     def _drop_expired(self, providers: dict[str, _Entry], now: float) -> None:
         for provider in [p for p, e in providers.items() if e.record.is_expired(now, self.skew_s)]:
-            del providers[provider]
+            self._remove(providers, provider)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +35,15 @@ from safetensors.torch import save as _st_save
 
 from hypha.diloco.outer import NesterovOuter, OuterStateDict
 from hypha.diloco.rounds import ParameterServerCore, Quorum
-from hypha.errors import DataLossError, NotFoundError
+from hypha.errors import DataLossError, HyphaError, NotFoundError
+from hypha.fsutil import write_atomic
+from hypha.tensors.payload import read_metadata
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "checkpoint.json"
+#: Header metadata of a ``pack`` blob: the manifest (JSON), and the round alone.
+PACKED_MANIFEST_KEY = "hypha.ps_checkpoint"
+PACKED_ROUND_KEY = "hypha.ps_round"
 _PARAMS = "params/"
 _MOMENTUM = "momentum/"
 
@@ -55,6 +59,8 @@ class Checkpoint:
     quorum: Quorum
     give_up_after_s: float | None
     reject_non_finite: bool
+    #: Streaming fragments (parameter names per fragment); None: whole-model rounds.
+    fragments: tuple[tuple[str, ...], ...] | None = None
 
 
 def save(directory: str | Path, core: ParameterServerCore) -> Path:
@@ -66,14 +72,28 @@ def save(directory: str | Path, core: ParameterServerCore) -> Path:
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    tensors, manifest = _tensors_and_manifest(core)
+    blob = _st_save(tensors)
+    tensors_name = f"state-{core.round_number:08d}-{secrets.token_hex(4)}.safetensors"
+    write_atomic(directory / tensors_name, blob)
+    manifest["tensors_file"] = tensors_name
+    manifest["tensors_sha256"] = hashlib.sha256(blob).hexdigest()
+    manifest_path = directory / MANIFEST_NAME
+    write_atomic(manifest_path, json.dumps(manifest, indent=2, sort_keys=True).encode())
+    for stale in directory.glob("state-*.safetensors"):
+        if stale.name != tensors_name:
+            stale.unlink(missing_ok=True)
+    return manifest_path
+
+
+def _tensors_and_manifest(core: ParameterServerCore) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """θ_global and momentum as named CPU fp32 tensors, and everything else as a JSON-able manifest."""
     state = core.outer.state_dict()
     tensors = {_PARAMS + name: t for name, t in state["params"].items()}
     if state["momentum_buffer"] is not None:
         tensors.update({_MOMENTUM + name: t for name, t in state["momentum_buffer"].items()})
     # Contiguous CPU fp32 views, no copies for state that already lives there.
-    blob = _st_save({k: t.detach().to("cpu", torch.float32).contiguous() for k, t in tensors.items()})
-    tensors_name = f"state-{core.round_number:08d}-{secrets.token_hex(4)}.safetensors"
-    _write_atomic(directory / tensors_name, blob)
+    tensors = {k: t.detach().to("cpu", torch.float32).contiguous() for k, t in tensors.items()}
     manifest: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "round_number": core.round_number,
@@ -87,15 +107,54 @@ def save(directory: str | Path, core: ParameterServerCore) -> Path:
         "quorum": core.quorum,
         "give_up_after_s": core.give_up_after_s,
         "reject_non_finite": core.reject_non_finite,
-        "tensors_file": tensors_name,
-        "tensors_sha256": hashlib.sha256(blob).hexdigest(),
     }
-    manifest_path = directory / MANIFEST_NAME
-    _write_atomic(manifest_path, json.dumps(manifest, indent=2, sort_keys=True).encode())
-    for stale in directory.glob("state-*.safetensors"):
-        if stale.name != tensors_name:
-            stale.unlink(missing_ok=True)
-    return manifest_path
+    if core.fragments is not None:
+        manifest["fragments"] = core.fragments
+    return tensors, manifest
+
+
+def pack(core: ParameterServerCore) -> bytes:
+    """The whole checkpoint as one self-describing safetensors blob: what leaves the machine.
+
+    The manifest rides in the header's metadata (``PACKED_MANIFEST_KEY``), the
+    round number also under ``PACKED_ROUND_KEY`` so a reader without torch (the
+    scheduler) can tell which round a blob holds from its header alone.
+    """
+    tensors, manifest = _tensors_and_manifest(core)
+    metadata = {
+        PACKED_MANIFEST_KEY: json.dumps(manifest, sort_keys=True),
+        PACKED_ROUND_KEY: str(core.round_number),
+    }
+    return bytes(_st_save(tensors, metadata=metadata))
+
+
+def unpack(blob: bytes) -> Checkpoint:
+    """Read a ``pack`` blob back; DataLossError if it is not a complete, consistent one."""
+    try:
+        manifest = json.loads(read_metadata(blob)[PACKED_MANIFEST_KEY])
+        tensors = _st_load(blob)
+    except (HyphaError, KeyError, TypeError, ValueError, SafetensorError) as exc:
+        raise DataLossError(f"packed parameter-server state is damaged: {exc!r}") from None
+    try:
+        return _checkpoint_of(manifest, tensors)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DataLossError(f"packed parameter-server state is damaged: {exc!r}") from None
+
+
+def state_digest(outer: OuterStateDict) -> str:
+    """sha256 over θ_global and the momentum buffer, name by name (dtype, shape and raw bytes).
+
+    Two states with the same digest are equal bit for bit: what a restored
+    server logs, and what tests compare with the checkpoint it came from.
+    """
+    digest = hashlib.sha256()
+    parts = [("params", outer["params"]), ("momentum", outer["momentum_buffer"] or {})]
+    for prefix, tensors in parts:
+        for name in sorted(tensors):
+            tensor = tensors[name].detach().to("cpu").contiguous()
+            digest.update(f"{prefix}/{name}:{tensor.dtype}:{tuple(tensor.shape)}\n".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
 
 
 def exists(directory: str | Path) -> bool:
@@ -129,6 +188,7 @@ def restore(checkpoint: Checkpoint, *, device: torch.device | str | None = None)
         round_number=checkpoint.round_number,
         give_up_after_s=checkpoint.give_up_after_s,
         reject_non_finite=checkpoint.reject_non_finite,
+        fragments=checkpoint.fragments,
     )
 
 
@@ -151,6 +211,12 @@ def _from_manifest(directory: Path, manifest: dict[str, Any]) -> Checkpoint:
         tensors = _st_load(blob)
     except SafetensorError as exc:
         raise DataLossError(f"checkpoint tensors file {tensors_path} is damaged: {exc}") from None
+    return _checkpoint_of(manifest, tensors)
+
+
+def _checkpoint_of(manifest: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Checkpoint:
+    if manifest.get("format") != FORMAT_VERSION:
+        raise DataLossError(f"unsupported checkpoint format {manifest.get('format')!r}")
     names: list[str] = list(manifest["names"])
     params = {name: tensors[_PARAMS + name].clone() for name in names}
     buffer = (
@@ -162,6 +228,7 @@ def _from_manifest(directory: Path, manifest: dict[str, Any]) -> Checkpoint:
     if isinstance(quorum, bool) or not isinstance(quorum, int | float):
         raise DataLossError(f"checkpoint quorum {quorum!r} is not a number")
     give_up = manifest["give_up_after_s"]
+    fragments = manifest.get("fragments")  # absent before streaming existed
     return Checkpoint(
         round_number=int(manifest["round_number"]),
         expected=frozenset(str(w) for w in manifest["expected"]),
@@ -176,33 +243,5 @@ def _from_manifest(directory: Path, manifest: dict[str, Any]) -> Checkpoint:
         quorum=quorum,
         give_up_after_s=None if give_up is None else float(give_up),
         reject_non_finite=bool(manifest["reject_non_finite"]),
+        fragments=None if fragments is None else tuple(tuple(str(n) for n in g) for g in fragments),
     )
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    # The rename is durable only once the directory entry is; not every platform can open a directory.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -26,6 +26,13 @@ Decisions (NOTE):
   lost too many workers to go on.
 - Deltas are aggregated in worker-id order, not arrival order, so the float
   sums, and therefore θ_global, do not depend on network timing.
+- A delta holding NaN or infinity (which would poison θ_global for every
+  worker) is found while the round is aggregated, not when it arrives: the
+  check rides on the weighted sum instead of reading every delta once more
+  (docs/performance.md). ``maybe_complete`` then refuses only the culprits,
+  exactly as if they had never arrived (their workers are missing again and
+  may send a good delta), and completes the round if it is still ready. A
+  refusal is logged and kept in ``ParameterServerCore.refused``.
 
 Everything here is synchronous and takes ``now`` as an argument (seconds on any
 monotonic clock); the servicer owns the clock, the locking and the network.
@@ -33,14 +40,16 @@ monotonic clock); the servicer owns the clock, the locking and the network.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
 
-from hypha.diloco.outer import NesterovOuter, weighted_average
+from hypha.diloco.outer import NesterovOuter, NonFiniteDeltaError
 from hypha.errors import (
     AlreadyExistsError,
     FailedPreconditionError,
@@ -50,6 +59,8 @@ from hypha.errors import (
     PermissionDeniedError,
 )
 from hypha.tensors.payload import check_template
+
+logger = logging.getLogger(__name__)
 
 Delta = Mapping[str, torch.Tensor]
 #: A fraction of the expected workers (float in (0, 1]) or a worker count (int >= 1).
@@ -207,10 +218,40 @@ class Round:
         self._replaced.add(old)
         return True
 
+    def drop(self, worker: str) -> bool:
+        """``worker`` left the job (elastic shrink): the round stops waiting for it; True if it did.
+
+        A delta it already delivered stays (it is real work, weighted by its samples)."""
+        if self.state is not RoundState.COLLECTING or worker not in self._expected or worker in self._deltas:
+            return False
+        if len(self._expected) == 1:
+            return False  # a round needs someone to wait for; the next round has the new set
+        self._expected.discard(worker)
+        self.quorum_needed = quorum_count(self.quorum, len(self._expected))
+        return True
+
+    def join(self, worker: str) -> bool:
+        """``worker`` joins the job now (elastic growth) and delivers in this round; True if it may."""
+        if self.state is not RoundState.COLLECTING or worker in self._expected:
+            return False
+        self._expected.add(worker)
+        self.quorum_needed = quorum_count(self.quorum, len(self._expected))
+        return True
+
+    def refuse(self, worker: str) -> None:
+        """Forget ``worker``'s delta (found bad while aggregating): it is missing again."""
+        if self.state is not RoundState.COLLECTING:
+            raise FailedPreconditionError(f"round {self.number} is {self.state}; its deltas are final")
+        del self._deltas[worker]
+
+    def contributions(self) -> list[tuple[str, Delta, int]]:
+        """The workers with their deltas and samples, in worker-id order (see module NOTE)."""
+        return [(worker, *self._deltas[worker]) for worker in sorted(self._deltas)]
+
     def close(self) -> list[tuple[Delta, int]]:
         """Stop collecting; the deltas with their samples, in worker-id order (see module NOTE)."""
         self.transition(RoundState.AGGREGATING)
-        return [self._deltas[worker] for worker in sorted(self._deltas)]
+        return [(delta, samples) for _, delta, samples in self.contributions()]
 
     def publish(self) -> None:
         self.transition(RoundState.PUBLISHED)
@@ -233,10 +274,21 @@ class RoundUpdate:
     #: Expected workers whose deltas did not make it (their later deltas are dropped).
     missing: tuple[str, ...]
     samples: int
+    #: The streaming fragment this round stepped (``params`` holds only its tensors); None: all.
+    fragment: int | None = None
 
     @property
     def next_round(self) -> int:
         return self.round_number + 1
+
+
+@dataclass(frozen=True)
+class RefusedDelta:
+    """A delta refused while its round was aggregated (it held NaN or infinity)."""
+
+    round_number: int
+    worker: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -254,6 +306,10 @@ class ParameterServerCore:
     ``expected`` is the set for upcoming rounds; each round keeps its own copy,
     so ``replace_worker`` changes the future without rewriting the past (and
     the current round too when the replaced worker has not delivered yet).
+
+    With ``fragments`` (streaming DiLoCo, ``hypha.diloco.streaming``) round r
+    collects and steps fragment ``r mod F`` only: its deltas hold exactly that
+    fragment's tensors and the update holds the fragment's new θ_global.
     """
 
     def __init__(
@@ -266,6 +322,7 @@ class ParameterServerCore:
         round_number: int = 0,
         give_up_after_s: float | None = None,
         reject_non_finite: bool = True,
+        fragments: Sequence[Sequence[str]] | None = None,
     ) -> None:
         if not round_timeout_s > 0:
             raise InvalidArgumentError(f"round_timeout_s must be > 0, got {round_timeout_s}")
@@ -276,8 +333,16 @@ class ParameterServerCore:
         self.quorum = quorum
         self.give_up_after_s = give_up_after_s
         self.reject_non_finite = reject_non_finite
+        #: The latest deltas refused while aggregating (bounded: a broken worker may keep sending).
+        self.refused: deque[RefusedDelta] = deque(maxlen=64)
         self._expected = set(expected)
         self._template = {name: tuple(t.shape) for name, t in outer.parameters().items()}
+        self.fragments: list[list[str]] | None = None
+        if fragments is not None and len(fragments) > 1:
+            seen = [name for group in fragments for name in group]
+            if sorted(seen) != sorted(self._template) or len(seen) != len(set(seen)) or not all(fragments):
+                raise InvalidArgumentError("fragments must cover every parameter exactly once")
+            self.fragments = [list(group) for group in fragments]
         self._round = self._new_round(round_number)
 
     @property
@@ -294,6 +359,15 @@ class ParameterServerCore:
         """The workers expected in upcoming rounds."""
         return frozenset(self._expected)
 
+    def fragment_of(self, round_number: int) -> int | None:
+        """The streaming fragment round ``round_number`` syncs (None: the whole model)."""
+        return None if self.fragments is None else round_number % len(self.fragments)
+
+    def fragment_names(self, round_number: int) -> list[str] | None:
+        """The parameter names round ``round_number``'s deltas and update hold (None: all)."""
+        fragment = self.fragment_of(round_number)
+        return None if fragment is None or self.fragments is None else list(self.fragments[fragment])
+
     def add_delta(
         self, worker: str, round_number: int, samples: int, delta: Delta, now: float
     ) -> DeltaReceipt:
@@ -301,9 +375,9 @@ class ParameterServerCore:
 
         Raises FailedPreconditionError for a round that has not started,
         PermissionDeniedError / AlreadyExistsError as ``Round.admission`` does,
-        and InvalidArgumentError for a delta whose names or shapes differ from
-        θ_global's or that holds NaN or infinity (one such delta would poison
-        θ_global for every worker).
+        and InvalidArgumentError for a delta whose names, shapes or dtypes do
+        not fit θ_global's. NaN and infinity are found when the round is
+        aggregated (see the module NOTE and ``maybe_complete``).
         """
         current = self._round
         if round_number < current.number:
@@ -325,7 +399,7 @@ class ParameterServerCore:
         reason = current.admission(worker, samples)
         if reason is not None:
             return DeltaReceipt(accepted=False, round_number=round_number, reason=reason)
-        self._check_delta(delta)
+        self._check_delta(delta, round_number)
         receipt = current.add_delta(worker, samples, delta, now)
         if receipt.accepted and len(current.arrived) == 1:
             current.set_deadline(now + self.round_timeout_s)
@@ -334,34 +408,59 @@ class ParameterServerCore:
     def maybe_complete(self, now: float) -> RoundUpdate | None:
         """Close, aggregate and publish the current round if it is ready; start the next one.
 
-        Returns None while the round is still collecting. Raises
-        QuorumNotMetError once a stalled round has outlived ``give_up_after_s``.
+        Returns None while the round is still collecting, which includes a
+        round that stopped being ready because deltas holding NaN or infinity
+        were refused (see the module NOTE). Raises QuorumNotMetError once a
+        stalled round has outlived ``give_up_after_s``.
         """
-        current = self._round
-        if current.state is RoundState.FAILED:
-            raise QuorumNotMetError(current.failure)
-        if not current.ready(now):
-            if (
-                self.give_up_after_s is not None
-                and current.stalled(now)
-                and now >= current.deadline + self.give_up_after_s
-            ):
-                current.fail(
-                    f"round {current.number}: {len(current.arrived)} of {len(current.expected)} deltas, "
-                    f"quorum {current.quorum_needed}, still missing {sorted(current.missing)} "
-                    f"{self.give_up_after_s:g}s after the deadline"
-                )
+        while True:
+            current = self._round
+            if current.state is RoundState.FAILED:
                 raise QuorumNotMetError(current.failure)
-            return None
+            if not current.ready(now):
+                self._give_up_if_stalled(current, now)
+                return None
+            update = self._aggregate(current)
+            if update is not None:
+                return update
+
+    def _give_up_if_stalled(self, current: Round, now: float) -> None:
+        if (
+            self.give_up_after_s is not None
+            and current.stalled(now)
+            and now >= current.deadline + self.give_up_after_s
+        ):
+            current.fail(
+                f"round {current.number}: {len(current.arrived)} of {len(current.expected)} deltas, "
+                f"quorum {current.quorum_needed}, still missing {sorted(current.missing)} "
+                f"{self.give_up_after_s:g}s after the deadline"
+            )
+            raise QuorumNotMetError(current.failure)
+
+    def _aggregate(self, current: Round) -> RoundUpdate | None:
+        """Step the outer optimizer with ``current``'s deltas and publish; None if some were refused."""
         contributors = tuple(sorted(current.arrived))
         missing = tuple(sorted(current.missing))
         samples = current.samples
-        contributions = current.close()
+        contributions = current.contributions()
         try:
-            params = self.outer.step(weighted_average(contributions))
+            params = self.outer.step_average(
+                [(delta, n) for _, delta, n in contributions],
+                self.fragment_names(current.number),
+                reject_non_finite=self.reject_non_finite,
+            )
+        except NonFiniteDeltaError as exc:
+            for position, name in sorted(exc.culprits.items()):
+                worker = contributions[position][0]
+                reason = f"delta tensor {name!r} holds NaN or infinity"
+                current.refuse(worker)
+                self.refused.append(RefusedDelta(current.number, worker, reason))
+                logger.warning("delta from %s for round %d refused: %s", worker, current.number, reason)
+            return None
         except Exception as exc:
             current.fail(f"round {current.number}: outer step failed: {exc}")
             raise
+        current.close()
         current.publish()
         update = RoundUpdate(
             round_number=current.number,
@@ -369,6 +468,7 @@ class ParameterServerCore:
             contributors=contributors,
             missing=missing,
             samples=samples,
+            fragment=self.fragment_of(current.number),
         )
         self._round = self._new_round(current.number + 1)
         return update
@@ -405,20 +505,40 @@ class ParameterServerCore:
         self._expected.add(new)
         return self._round.replace(old, new)
 
+    def set_workers(self, workers: Iterable[str], *, delivering: str = "") -> tuple[list[str], list[str]]:
+        """The job's trainers are now ``workers`` (elastic scaling): (added, removed).
+
+        Workers gone since the last set first hand their places to newcomers
+        (``replace_worker``: a replacement may deliver in the current round);
+        further newcomers join from the next round, except ``delivering``
+        (the one whose delta is at hand), which joins the current one; further
+        leavers are no longer waited for in the current round (``Round.drop``).
+        """
+        wanted = set(workers)
+        if not wanted:
+            raise InvalidArgumentError("a job needs at least one trainer")
+        gone = sorted(self._expected - wanted)
+        new = sorted(wanted - self._expected)
+        for old, newcomer in zip(gone, new, strict=False):
+            self.replace_worker(old, newcomer)
+        added, removed = new[len(gone) :], gone[len(new) :]
+        self._expected.update(added)
+        if delivering in added:
+            self._round.join(delivering)
+        for worker in removed:
+            self._expected.discard(worker)
+            self._round.drop(worker)
+        return added, removed
+
     def _new_round(self, number: int) -> Round:
         # No deadline until the first delta arrives (see the module NOTE).
         return Round(number, self._expected, math.inf, self.quorum)
 
-    def _check_delta(self, delta: Delta) -> None:
-        check_template(delta, self._template, what="delta")
+    def _check_delta(self, delta: Delta, round_number: int) -> None:
+        names = self.fragment_names(round_number)
+        template = self._template if names is None else {n: self._template[n] for n in names}
+        check_template(delta, template, what="delta")
         for name, tensor in delta.items():
             if not tensor.is_floating_point():
                 raise InvalidArgumentError(f"delta tensor {name!r} is {tensor.dtype}, not floating point")
-            # NaN and inf survive a sum, so a finite sum proves every element finite
-            # (~1 ms for 26M elements); only an overflowing sum needs the full scan.
-            if (
-                self.reject_non_finite
-                and not bool(torch.isfinite(tensor.sum()))
-                and not bool(torch.isfinite(tensor).all())
-            ):
-                raise InvalidArgumentError(f"delta tensor {name!r} holds NaN or infinity")
+        # NaN and infinity are not scanned for here: the weighted sum finds them (module NOTE).

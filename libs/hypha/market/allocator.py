@@ -72,10 +72,14 @@ class Allocation:
         window_ends_at: float,
         policy: SelectionPolicy | None = None,
         weights: Weights = DEFAULT_WEIGHTS,
+        earlier: frozenset[str] = frozenset(),
     ) -> None:
         if count < 1:
             raise InvalidArgumentError(f"an allocation needs at least one worker, got {count}")
         self.request_id = request_id
+        #: Request ids of earlier rounds for the same need: an offer that answers one of
+        #: them late is as good as one for this round (same scheduler, same requirement).
+        self.earlier = earlier
         self.requirement = requirement
         self.count = count
         self.price = price
@@ -84,6 +88,9 @@ class Allocation:
         self.weights = weights
         self.state = AllocationState.COLLECTING
         self.dropped: Counter[str] = Counter()
+        #: Distinct workers that offered something this request could use, even if too late:
+        #: when that is fewer than ``count`` the market itself was short, not the timing.
+        self.answered: set[str] = set()
         self._best: dict[str, OfferView] = {}  # worker id -> its best offer so far
         self._superseded: list[OfferView] = []
 
@@ -100,6 +107,8 @@ class Allocation:
         caller should release it. True means the allocation owns it until
         ``choose`` hands it back as a winner or a loser."""
         reason = self._refuse_reason(view, now)
+        if reason in (None, OfferDropReason.LATE, OfferDropReason.EXPIRED):
+            self.answered.add(view.worker_id)
         if reason is not None:
             self.dropped[reason] += 1
             return False
@@ -117,7 +126,7 @@ class Allocation:
     def _refuse_reason(self, view: OfferView, now: float) -> OfferDropReason | None:
         if self.state is not AllocationState.COLLECTING or now > self.window_ends_at:
             return OfferDropReason.LATE
-        if view.request_id and view.request_id != self.request_id:
+        if view.request_id and view.request_id != self.request_id and view.request_id not in self.earlier:
             return OfferDropReason.REQUEST
         if view.executor is not None and view.executor is not self.requirement.executor:
             return OfferDropReason.EXECUTOR

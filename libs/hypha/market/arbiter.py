@@ -6,25 +6,28 @@ worker cannot or will not serve, ranks the rest by what they pay per unit of
 capacity, and reserves each winner under a temporary lease in the ledger
 before offering it, so two requests never get the same resources. Network I/O
 (receiving ads, sending offers) belongs to the caller.
+
+An advertisement may ask only a random share of the pool to answer
+(``offer_probability``): a scheduler that knows a large pool needs a handful
+of offers, not one from every free worker, which all arrive at the end of the
+same batch window. The lottery is drawn when the advertisement arrives, so a
+worker that loses it does no more work for that request.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
 from hypha.errors import ConfigError, InvalidArgumentError, ResourceExhaustedError
 from hypha.market.leases import LeaseLedger
 from hypha.market.pricing import DEFAULT_WEIGHTS, Weights, score
-from hypha.market.resources import (
-    ExecutorKind,
-    Requirements,
-    Resources,
-    seconds_from_timestamp,
-    timestamp_from_seconds,
-)
+from hypha.market.resources import ExecutorKind, Requirements, Resources
+from hypha.timestamps import to_seconds, to_timestamp
 from hypha.v1 import common_pb2
 
 
@@ -55,6 +58,7 @@ class DropReason(StrEnum):
     DUPLICATE = "duplicate"  # same scheduler and request id seen already
     MALFORMED = "malformed"  # missing ids, negative or non-finite numbers
     OVERFLOW = "overflow"  # the buffer was full (the caller is not deciding)
+    SAMPLED = "sampled"  # lost the advertisement's lottery (offer_probability)
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,8 @@ class AdvertisementView:
     deadline: float  #: wall-clock seconds; no offer after it
     count: int = 1
     scheduler_addresses: tuple[str, ...] = ()
+    #: The share of workers asked to answer; 1.0: everyone who can.
+    offer_probability: float = 1.0
 
     @classmethod
     def from_proto(cls, msg: common_pb2.Advertisement, scheduler_id: str) -> AdvertisementView:
@@ -108,9 +114,10 @@ class AdvertisementView:
             scheduler_id=scheduler_id,
             requirements=Requirements.from_proto(msg.requirements),
             bid=msg.bid,
-            deadline=seconds_from_timestamp(msg.deadline) if msg.HasField("deadline") else math.inf,
+            deadline=to_seconds(msg.deadline) if msg.HasField("deadline") else math.inf,
             count=max(1, msg.count),
             scheduler_addresses=tuple(msg.scheduler_addresses),
+            offer_probability=probability_from_wire(msg.offer_probability),
         )
 
     def to_proto(self) -> common_pb2.Advertisement:
@@ -121,9 +128,10 @@ class AdvertisementView:
             requirements=self.requirements.to_proto(),
             bid=self.bid,
             count=self.count,
+            offer_probability=self.offer_probability if self.offer_probability < 1.0 else 0.0,
         )
         if math.isfinite(self.deadline):
-            msg.deadline.CopyFrom(timestamp_from_seconds(self.deadline))
+            msg.deadline.CopyFrom(to_timestamp(self.deadline))
         return msg
 
     def is_malformed(self) -> bool:
@@ -136,6 +144,13 @@ class AdvertisementView:
             or math.isnan(self.deadline)
             or not self.requirements.minimum.is_non_negative()
         )
+
+
+def probability_from_wire(value: float) -> float:
+    """The wire's ``offer_probability``: 0 (unset, an older scheduler) and anything
+    outside (0, 1), NaN included, mean every worker answers; a sender cannot use it
+    to silence the pool beyond what a small probability already does."""
+    return value if 0.0 < value < 1.0 else 1.0
 
 
 @dataclass(frozen=True)
@@ -169,7 +184,7 @@ class OfferDecision:
             worker_addresses=list(worker_addresses),
             resources=self.resources.to_proto(),
             price=self.price,
-            expires_at=timestamp_from_seconds(self.expires_at),
+            expires_at=to_timestamp(self.expires_at),
             executor=self.executor.to_proto(),
             samples_per_second=samples_per_second,
             success_rate=success_rate,
@@ -190,16 +205,24 @@ class Arbiter:
     ``dropped`` counts advertisements that got no offer, by ``DropReason``.
     """
 
-    def __init__(self, ledger: LeaseLedger, config: ArbiterConfig) -> None:
+    def __init__(
+        self, ledger: LeaseLedger, config: ArbiterConfig, *, draw: Callable[[], float] = random.random
+    ) -> None:
         self.ledger = ledger
         self.config = config
+        #: Uniform in [0, 1): the lottery of advertisements that ask only some workers to answer.
+        self._draw = draw
         self.dropped: Counter[str] = Counter()
         self._buffer: list[_Pending] = []
         self._opened_at: float | None = None
         self._seq = 0
 
     def add(self, ad: AdvertisementView, now: float) -> bool:
-        """Buffer an advertisement; False (and counted) when the buffer is full."""
+        """Buffer an advertisement; False (and counted) when the buffer is full or this
+        worker lost the advertisement's lottery."""
+        if ad.offer_probability < 1.0 and self._draw() >= ad.offer_probability:
+            self.dropped[DropReason.SAMPLED] += 1
+            return False
         if len(self._buffer) >= self.config.buffer_max:
             self.dropped[DropReason.OVERFLOW] += 1
             return False

@@ -31,7 +31,8 @@ from hypha.errors import (
     PermissionDeniedError,
     ResourceExhaustedError,
 )
-from hypha.market.resources import ExecutorKind, Resources, timestamp_from_seconds
+from hypha.market.resources import ExecutorKind, Resources
+from hypha.timestamps import to_timestamp
 from hypha.v1 import common_pb2
 
 
@@ -102,7 +103,7 @@ class Lease:
             worker_id=worker_id,
             resources=self.resources.to_proto(),
             price=self.price,
-            expires_at=timestamp_from_seconds(self.expires_at),
+            expires_at=to_timestamp(self.expires_at),
             state=self.state.to_proto(),
         )
         if self.executor is not None:

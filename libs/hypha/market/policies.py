@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 from hypha.errors import InvalidArgumentError
 from hypha.market.pricing import DEFAULT_WEIGHTS, Weights, capacity_units, score
-from hypha.market.resources import ExecutorKind, Resources, seconds_from_timestamp
+from hypha.market.resources import ExecutorKind, Resources
+from hypha.timestamps import to_seconds
 from hypha.v1 import common_pb2
 
 
@@ -59,7 +60,7 @@ class OfferView:
             if math.isfinite(msg.samples_per_second)
             else 0.0,
             success_rate=min(1.0, max(0.0, msg.success_rate)) if math.isfinite(msg.success_rate) else 0.0,
-            expires_at=seconds_from_timestamp(msg.expires_at) if msg.HasField("expires_at") else math.inf,
+            expires_at=to_seconds(msg.expires_at) if msg.HasField("expires_at") else math.inf,
             request_id=msg.request_id,
             executor=ExecutorKind.from_proto(msg.executor) if msg.executor else None,
             worker_addresses=tuple(msg.worker_addresses),

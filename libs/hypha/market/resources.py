@@ -14,8 +14,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from enum import StrEnum
 
-from google.protobuf import timestamp_pb2
-
 from hypha.errors import InvalidArgumentError
 from hypha.v1 import common_pb2
 
@@ -33,6 +31,7 @@ class ExecutorKind(StrEnum):
     DILOCO_TRAINER = "diloco-trainer"
     PARAMETER_SERVER = "parameter-server"
     TASK = "task"
+    INFERENCE = "inference"
 
     @classmethod
     def parse(cls, name: str) -> ExecutorKind:
@@ -58,8 +57,12 @@ _KIND_TO_PROTO: dict[ExecutorKind, common_pb2.ExecutorKind] = {
     ExecutorKind.DILOCO_TRAINER: common_pb2.EXECUTOR_KIND_DILOCO_TRAINER,
     ExecutorKind.PARAMETER_SERVER: common_pb2.EXECUTOR_KIND_PARAMETER_SERVER,
     ExecutorKind.TASK: common_pb2.EXECUTOR_KIND_TASK,
+    ExecutorKind.INFERENCE: common_pb2.EXECUTOR_KIND_INFERENCE,
 }
 _KIND_FROM_PROTO: dict[int, ExecutorKind] = {int(v): k for k, v in _KIND_TO_PROTO.items()}
+
+
+_FIELDS = ("cpu", "memory_gb", "storage_gb", "gpu", "gpu_memory_gb")
 
 
 def _quantize(value: float) -> float:
@@ -82,11 +85,15 @@ class Resources:
     gpu_memory_gb: float = 0.0  #: total GPU memory across those GPUs
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise InvalidArgumentError(f"resources: {f.name} must be a finite number, got {value!r}")
-            object.__setattr__(self, f.name, _quantize(float(value)))
+        for name in _FIELDS:
+            value = getattr(self, name)
+            # NOTE: the exact-type test first: ``isinstance(x, numbers.Real)`` goes through
+            # the ABC machinery, and every advertisement and offer builds several of these.
+            if type(value) is not float and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+                raise InvalidArgumentError(f"resources: {name} must be a finite number, got {value!r}")
+            if not math.isfinite(value):
+                raise InvalidArgumentError(f"resources: {name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, _quantize(float(value)))
 
     def _values(self) -> tuple[float, ...]:
         return (self.cpu, self.memory_gb, self.storage_gb, self.gpu, self.gpu_memory_gb)
@@ -168,12 +175,5 @@ class Requirements:
         return common_pb2.Requirements(minimum=self.minimum.to_proto(), executor=self.executor.to_proto())
 
 
-def timestamp_from_seconds(seconds: float) -> timestamp_pb2.Timestamp:
-    """Wall-clock seconds (as the market keeps time) to a protobuf Timestamp."""
-    ts = timestamp_pb2.Timestamp()
-    ts.FromNanoseconds(round(seconds * 1e9))
-    return ts
-
-
-def seconds_from_timestamp(ts: timestamp_pb2.Timestamp) -> float:
-    return ts.seconds + ts.nanos / 1e9
+# ``Resources.__post_init__`` walks ``_FIELDS`` instead of ``fields()`` (hot path); keep them one list.
+assert _FIELDS == tuple(f.name for f in fields(Resources)), "update resources._FIELDS"

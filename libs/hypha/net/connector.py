@@ -6,7 +6,14 @@ Both kinds of channel take the same generated stubs and fail with the same
 decision is cached per peer and re-made when it goes stale: a direct channel
 that has fallen into TRANSIENT_FAILURE (its calls get UNAVAILABLE) is dropped
 at the next lookup, and a relay choice is re-checked after
-``relay_recheck_s`` in case the peer became reachable.
+``relay_recheck_s`` in case the peer became reachable. Before a direct
+channel is opened, the server's certificate is checked against the CRL
+(``hypha.net.channel.check_server``); a revoked server is never dialled, and
+neither is one whose certificate is not the peer id asked for (or not one of
+the roles the caller expects): an address that a presence record, a DHT record
+or an offer named can point anywhere, the certificate cannot. Such an address
+is skipped, and the relay, which routes by the id gateways learnt from TLS,
+is used instead.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ from typing import TypeAlias
 
 import grpc
 
-from hypha.errors import UnavailableError
-from hypha.net.channel import secure_channel
+from hypha.errors import PermissionDeniedError, UnauthenticatedError, UnavailableError
+from hypha.net.channel import check_server, secure_channel
 from hypha.net.relay import Relay, RelayChannel
 from hypha.net.tls import TlsMaterial
+from hypha.pki.identity import Role
 
 log = logging.getLogger(__name__)
 
@@ -52,24 +60,32 @@ class PeerConnector:
         *,
         relay_recheck_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        check_peer_id: bool = True,
     ) -> None:
         self._tls = tls
         self._relay = relay
         self.connect_timeout_s = connect_timeout_s
         self.relay_recheck_s = relay_recheck_s
         self._clock = clock
+        #: Refuse an address whose certificate is not ``peer_id``'s (off only for a caller that
+        #: knows a name, not an id).
+        self.check_peer_id = check_peer_id
         self._choices: dict[str, _Choice] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
-    async def channel(self, peer_id: str, addresses: list[str]) -> PeerChannel:
-        """A channel to ``peer_id``; raises UnavailableError if neither path exists."""
+    async def channel(
+        self, peer_id: str, addresses: list[str], *, roles: frozenset[Role] | None = None
+    ) -> PeerChannel:
+        """A channel to ``peer_id``; raises UnavailableError if neither path exists.
+
+        ``roles``: a direct address must also present one of these roles."""
         lock = self._locks.setdefault(peer_id, asyncio.Lock())
         async with lock:
             choice = self._choices.get(peer_id)
             if choice is not None and self._still_good(choice, addresses):
                 return choice.channel
             await self._drop(peer_id)
-            choice = await self._choose(peer_id, addresses)
+            choice = await self._choose(peer_id, addresses, roles)
             self._choices[peer_id] = choice
             return choice.channel
 
@@ -95,9 +111,9 @@ class PeerConnector:
         stale = self._clock() - choice.chosen_at >= self.relay_recheck_s
         return not (stale and addresses)
 
-    async def _choose(self, peer_id: str, addresses: list[str]) -> _Choice:
+    async def _choose(self, peer_id: str, addresses: list[str], roles: frozenset[Role] | None) -> _Choice:
         for address in addresses:
-            channel = await self._dial(address)
+            channel = await self._dial(address, peer_id, roles)
             if channel is not None:
                 log.debug("peer %s: direct at %s", peer_id, address)
                 return _Choice(channel, True, address, self._clock())
@@ -106,7 +122,25 @@ class PeerConnector:
         log.debug("peer %s: through the relay", peer_id)
         return _Choice(self._relay.channel(peer_id), False, "", self._clock())
 
-    async def _dial(self, address: str) -> grpc.aio.Channel | None:
+    async def _dial(
+        self, address: str, peer_id: str, roles: frozenset[Role] | None
+    ) -> grpc.aio.Channel | None:
+        # The server's certificate is checked against our CRL first (grpcio
+        # cannot): a revoked node keeps no direct path to us, whatever it listens on.
+        try:
+            await check_server(
+                self._tls,
+                address,
+                peer_id=peer_id if self.check_peer_id else None,
+                roles=roles,
+                timeout_s=self.connect_timeout_s,
+            )
+        except (UnauthenticatedError, PermissionDeniedError) as err:
+            log.warning("refusing direct address %s of peer %s: %s", address, peer_id, err.message)
+            return None
+        except UnavailableError as err:
+            log.debug("direct address %s did not answer: %s", address, err.message)
+            return None
         channel = secure_channel(self._tls, address)
         try:
             async with asyncio.timeout(self.connect_timeout_s):

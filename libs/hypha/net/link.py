@@ -10,6 +10,18 @@ Incoming topic messages go to each matching ``Subscription`` (bounded: a
 subscriber that does not keep up loses its oldest-undelivered messages, and
 the loss is counted); direct messages go to the one consumer of their
 channel and are never dropped on this side (the reader waits for room).
+
+Each session hands gRPC its own request iterator (``_requests``), which ends
+when the session does. NOTE: not ``call.write()``: with interceptors that
+goes through grpc.aio's proxy generator, consumed by a task gRPC cancels only
+on a local cancel. When the stream broke, that task stayed pending until the
+garbage collector destroyed it and closed the generator while it still ran
+("Task was destroyed but it is pending", ``aclose(): asynchronous generator
+is already running``), once per broken session.
+
+Error frames from the gateway (a direct message it cannot deliver, a frame
+too large) name the message they answer; the ``on_error`` callbacks see each
+one, so the relay ends the call it belongs to at once, not at its deadline.
 """
 
 from __future__ import annotations
@@ -19,19 +31,29 @@ import contextlib
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
-from types import TracebackType
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 
 from hypha.errors import HyphaError, UnavailableError
 from hypha.net.backoff import Backoff
 from hypha.net.channel import secure_channel
-from hypha.net.messages import Message
+from hypha.net.messages import Message, RawDelivery, server_frame
+from hypha.net.options import DEFAULT_KEEPALIVE_S
 from hypha.net.tls import TlsMaterial
-from hypha.v1 import gateway_pb2, gateway_pb2_grpc
+from hypha.net.wire import Encoded, frame_bytes
+from hypha.service import Service
+from hypha.v1 import gateway_pb2
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: A frame for the gateway: a message, or one already encoded (``send``: hypha.net.wire).
+OutFrame = gateway_pb2.ClientFrame | bytes
+#: The Connect method of ``hypha.v1.Gateway``.
+CONNECT_METHOD = "/hypha.v1.Gateway/Connect"
 
 
 class Subscription:
@@ -75,7 +97,7 @@ class Subscription:
             self.queue.put_nowait(None)
 
 
-class NodeLink:
+class NodeLink(Service):
     def __init__(
         self,
         tls: TlsMaterial,
@@ -88,6 +110,7 @@ class NodeLink:
         backoff_cap_s: float = 5.0,
         send_timeout_s: float = 30.0,
         max_message_bytes: int = 2 * 1024 * 1024,
+        keepalive_s: float = DEFAULT_KEEPALIVE_S,
     ) -> None:
         if not gateways:
             raise ValueError("a node link needs at least one gateway address")
@@ -97,13 +120,16 @@ class NodeLink:
         self.addresses = list(addresses or [])
         self.send_timeout_s = send_timeout_s
         self.max_message_bytes = max_message_bytes
+        #: HTTP/2 ping interval: how soon a path that went silent (no FIN, no RST) is noticed.
+        self.keepalive_s = keepalive_s
         self.connected = asyncio.Event()
         self.gateway_id = ""
         self.gateway_address = ""
         self.errors: list[gateway_pb2.GatewayError] = []
+        #: Established gateway streams that broke (each followed by a new attempt).
         self.reconnects = 0
-        self._outbound: asyncio.Queue[gateway_pb2.ClientFrame] = asyncio.Queue(queue_size)
-        self._pending: gateway_pb2.ClientFrame | None = None
+        self._outbound: asyncio.Queue[OutFrame] = asyncio.Queue(queue_size)
+        self._pending: OutFrame | None = None
         self._topics: dict[str, list[Subscription]] = {}
         self._channels: dict[str, Subscription] = {}
         self._backoff = Backoff(backoff_base_s, backoff_cap_s)
@@ -113,6 +139,9 @@ class NodeLink:
         #: Called (synchronously) whenever an established gateway stream breaks,
         #: e.g. so the relay can fail calls in flight instead of letting them hang.
         self.on_disconnect: list[Callable[[], None]] = []
+        #: Called (synchronously) with each error frame from the gateway; a callback returns
+        #: True when the error answers a message it sent (e.g. a relayed call's frame).
+        self.on_error: list[Callable[[gateway_pb2.GatewayError], bool]] = []
 
     @property
     def peer_id(self) -> str:
@@ -141,15 +170,6 @@ class NodeLink:
         except TimeoutError as err:
             raise UnavailableError(f"no gateway reachable among {self.gateways}") from err
 
-    async def __aenter__(self) -> NodeLink:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
-
     # ---- API -------------------------------------------------------------------
 
     def next_message_id(self) -> str:
@@ -157,22 +177,18 @@ class NodeLink:
 
     async def publish(self, topic: str, payload: bytes, message_id: str | None = None) -> str:
         message_id = message_id or self.next_message_id()
-        await self._enqueue(
-            gateway_pb2.ClientFrame(
-                publish=gateway_pb2.Publish(topic=topic, payload=payload, message_id=message_id)
-            )
-        )
+        header = gateway_pb2.Publish(topic=topic, message_id=message_id)
+        frame = Encoded.with_field(header, "payload", payload).within(gateway_pb2.ClientFrame(), "publish")
+        await self._enqueue(bytes(frame))
         return message_id
 
-    async def send(self, to_peer: str, payload: bytes, channel: str) -> str:
-        message_id = self.next_message_id()
-        await self._enqueue(
-            gateway_pb2.ClientFrame(
-                send=gateway_pb2.Send(
-                    to_peer=to_peer, payload=payload, channel=channel, message_id=message_id
-                )
-            )
-        )
+    async def send(self, to_peer: str, payload: bytes, channel: str, message_id: str | None = None) -> str:
+        """Queue a direct message; a gateway error about it names ``message_id`` (``on_error``)."""
+        message_id = message_id or self.next_message_id()
+        # Encoded by hand: the payload is copied once, not serialized twice (hypha.net.wire).
+        header = gateway_pb2.Send(to_peer=to_peer, channel=channel, message_id=message_id)
+        frame = Encoded.with_field(header, "payload", payload).within(gateway_pb2.ClientFrame(), "send")
+        await self._enqueue(bytes(frame))
         return message_id
 
     def subscribe(self, topic: str, maxsize: int = 1024) -> Subscription:
@@ -207,15 +223,18 @@ class NodeLink:
                     gateway_pb2.ClientFrame(unsubscribe=gateway_pb2.Unsubscribe(topic=sub.key))
                 )
 
-    async def _enqueue(self, frame: gateway_pb2.ClientFrame) -> None:
+    async def _enqueue(self, frame: OutFrame) -> None:
         if self._task is None:
             raise UnavailableError("link not started")
+        if not self._outbound.full():
+            self._outbound.put_nowait(frame)  # the common case, without wait_for's task and timer
+            return
         try:
             await asyncio.wait_for(self._outbound.put(frame), self.send_timeout_s)
         except TimeoutError as err:
             raise UnavailableError("gateway link congested or down") from err
 
-    def _enqueue_nowait(self, frame: gateway_pb2.ClientFrame) -> None:
+    def _enqueue_nowait(self, frame: OutFrame) -> None:
         with contextlib.suppress(asyncio.QueueFull):
             self._outbound.put_nowait(frame)
 
@@ -232,51 +251,69 @@ class NodeLink:
                 log.info("gateway %s: %s %s", address, err.code().name, (err.details() or "")[:200])
             except Exception:
                 log.exception("gateway link to %s failed", address)
-            if self.connected.is_set():
-                self.connected.clear()
-                self.reconnects += 1
+            self.connected.clear()
             await asyncio.sleep(self._backoff.next_delay())
 
     async def _session(self, address: str) -> None:
-        async with secure_channel(self.tls, address, max_message_bytes=self.max_message_bytes) as channel:
-            call = gateway_pb2_grpc.GatewayStub(channel).Connect()
-            first = await call.read()
-            if first is grpc.aio.EOF or first.WhichOneof("kind") != "welcome":
-                raise UnavailableError(f"gateway {address} did not welcome us")
-            await call.write(
-                gateway_pb2.ClientFrame(hello=gateway_pb2.Hello(addresses=self.addresses, name=self.name))
+        welcomed = asyncio.Event()
+        ended = asyncio.Event()
+        channel = secure_channel(
+            self.tls, address, max_message_bytes=self.max_message_bytes, keepalive_s=self.keepalive_s
+        )
+        try:
+            # The generated stub's serializer, except that pre-encoded frames pass through.
+            connect = channel.stream_stream(
+                CONNECT_METHOD,
+                request_serializer=frame_bytes,
+                response_deserializer=server_frame,
             )
-            for topic in list(self._topics):
-                await call.write(gateway_pb2.ClientFrame(subscribe=gateway_pb2.Subscribe(topic=topic)))
+            call = connect(self._requests(welcomed, ended))
+            first = await call.read()
+            if not isinstance(first, gateway_pb2.ServerFrame) or first.WhichOneof("kind") != "welcome":
+                raise UnavailableError(f"gateway {address} did not welcome us")
             self.gateway_id = first.welcome.gateway_id
             self.gateway_address = address
             self._backoff.reset()
+            welcomed.set()
             self.connected.set()
             log.info("attached to gateway %s (%s)", address, self.gateway_id)
-            reader = asyncio.create_task(self._read(call))
-            writer = asyncio.create_task(self._write(call))
             try:
-                done, _ = await asyncio.wait([reader, writer], return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    task.result()
+                await self._read(call)
             finally:
                 self.connected.clear()
+                self.reconnects += 1
                 for callback in self.on_disconnect:
                     try:
                         callback()
                     except Exception:
                         log.exception("disconnect callback failed")
-                for task in (reader, writer):
-                    task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
-                call.cancel()
+        finally:
+            # End the request iterator first: gRPC's task consuming it then finishes on its own.
+            ended.set()
+            await channel.close()
 
-    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
-        while True:
+    async def _requests(self, welcomed: asyncio.Event, ended: asyncio.Event) -> AsyncIterator[OutFrame]:
+        """The session's outgoing frames: hello, subscriptions, then the queue, until ``ended``.
+
+        A frame taken from the queue stays ``_pending`` until gRPC has sent it (it
+        asks for the next one), so a frame caught in a broken session goes out in
+        the next one instead of being lost.
+        """
+        if not await _unless(ended, welcomed.wait()):
+            return
+        yield gateway_pb2.ClientFrame(hello=gateway_pb2.Hello(addresses=self.addresses, name=self.name))
+        for topic in list(self._topics):
+            yield gateway_pb2.ClientFrame(subscribe=gateway_pb2.Subscribe(topic=topic))
+        while not ended.is_set():
             if self._pending is None:
-                self._pending = await self._outbound.get()
-            await call.write(self._pending)
+                if self._outbound.empty():
+                    got = await _unless(ended, self._outbound.get())
+                    if got is None:
+                        return
+                    self._pending = got
+                else:
+                    self._pending = self._outbound.get_nowait()
+            yield self._pending
             self._pending = None
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
@@ -284,20 +321,39 @@ class NodeLink:
             frame = await call.read()
             if frame is grpc.aio.EOF:
                 raise UnavailableError("gateway closed the stream")
+            if isinstance(frame, RawDelivery):
+                await self._deliver(frame.delivery, frame.payload)
+                continue
             kind = frame.WhichOneof("kind")
             if kind == "delivery":
-                try:
-                    message = Message.from_proto(frame.delivery)
-                except HyphaError as err:
-                    log.warning("dropping a delivery from %s: %s", frame.delivery.from_peer, err.message)
-                    continue
-                await self._dispatch(message)
+                await self._deliver(frame.delivery, None)
             elif kind == "error":
-                log.warning(
-                    "gateway error %s: %s", gateway_pb2.ErrorCode.Name(frame.error.code), frame.error.message
-                )
-                self.errors.append(frame.error)
-                del self.errors[:-100]
+                self._on_error(frame.error)
+
+    async def _deliver(self, delivery: gateway_pb2.Delivery, payload: bytes | None) -> None:
+        try:
+            message = Message.from_proto(delivery, payload)
+        except HyphaError as err:
+            log.warning("dropping a delivery from %s: %s", delivery.from_peer, err.message)
+            return
+        await self._dispatch(message)
+
+    def _on_error(self, error: gateway_pb2.GatewayError) -> None:
+        self.errors.append(error)
+        del self.errors[:-100]
+        claimed = False
+        for callback in self.on_error:
+            try:
+                claimed = callback(error) or claimed
+            except Exception:
+                log.exception("gateway error callback failed")
+        log.log(
+            logging.INFO if claimed else logging.WARNING,
+            "gateway error %s for %s: %s",
+            gateway_pb2.ErrorCode.Name(error.code),
+            error.message_id or "-",
+            error.message,
+        )
 
     async def _dispatch(self, message: Message) -> None:
         if message.direct:
@@ -309,3 +365,20 @@ class NodeLink:
             return
         for sub in list(self._topics.get(message.topic, ())):
             sub._offer(message)
+
+
+async def _unless(ended: asyncio.Event, awaitable: Awaitable[T]) -> T | None:
+    """``awaitable``'s result, or None (it is cancelled) once ``ended`` is set first."""
+    if ended.is_set():
+        if asyncio.iscoroutine(awaitable):
+            awaitable.close()
+        return None
+    task = asyncio.ensure_future(awaitable)
+    stop = asyncio.ensure_future(ended.wait())
+    try:
+        await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else None

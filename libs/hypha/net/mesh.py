@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from hypha.config.common import NodeSettings
 from hypha.net.connector import PeerConnector
 from hypha.net.link import NodeLink
-from hypha.net.relay import Relay
+from hypha.net.relay import Relay, RelayLimits
 from hypha.net.server import ServiceBinding
 from hypha.net.tls import TlsMaterial
 from hypha.node import Node
+from hypha.service import Service
 
 
 @dataclass
@@ -30,11 +31,23 @@ class MeshParts:
     def create(cls, settings: NodeSettings, tls: TlsMaterial, connect_timeout_s: float) -> MeshParts:
         gateways = settings.net.gateways
         link = (
-            NodeLink(tls, gateways, name=settings.name, max_message_bytes=settings.net.max_message_bytes)
+            NodeLink(
+                tls,
+                gateways,
+                name=settings.name,
+                max_message_bytes=settings.net.max_message_bytes,
+                keepalive_s=settings.net.keepalive_s,
+            )
             if gateways
             else None
         )
-        relay = Relay(link) if link is not None else None
+        net = settings.net
+        limits = RelayLimits(
+            max_concurrent_calls=net.relay_max_calls,
+            max_calls_per_peer=net.relay_max_calls_per_peer,
+            max_call_s=net.relay_max_call_s,
+        )
+        relay = Relay(link, limits=limits, revocation=tls.revocation) if link is not None else None
         return cls(link, relay, PeerConnector(tls, relay, connect_timeout_s))
 
     def attach(self, node: Node, bindings: list[ServiceBinding]) -> bool:
@@ -49,7 +62,7 @@ class MeshParts:
         return True
 
 
-class _LinkPart:
+class _LinkPart(Service):
     def __init__(self, node: Node, link: NodeLink) -> None:
         self.node = node
         self.link = link
@@ -62,12 +75,9 @@ class _LinkPart:
         await self.link.stop()
 
 
-class _Closer:
+class _Closer(Service):
     def __init__(self, connector: PeerConnector) -> None:
         self.connector = connector
-
-    async def start(self) -> None:
-        return None
 
     async def stop(self) -> None:
         await self.connector.close()

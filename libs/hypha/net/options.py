@@ -10,17 +10,26 @@ from __future__ import annotations
 CHUNK_BYTES = 1024 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 2 * 1024 * 1024
 DEFAULT_KEEPALIVE_S = 20.0
+#: gRPC calls one server runs at once (``net.max_concurrent_rpcs``), and one peer of them.
+DEFAULT_MAX_CONCURRENT_RPCS = 1024
+DEFAULT_MAX_RPCS_PER_PEER = 256
 
 
 def grpc_options(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, keepalive_s: float = DEFAULT_KEEPALIVE_S
 ) -> list[tuple[str, int]]:
     keepalive_ms = int(keepalive_s * 1000)
+    timeout_ms = max(keepalive_ms // 2, 1000)
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", keepalive_ms),
-        ("grpc.keepalive_timeout_ms", max(keepalive_ms // 2, 1000)),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        # NOTE: gRPC (1.85, measured) closes a connection whose keepalive ping goes
+        # unanswered only after this ping timeout (default one minute), whatever
+        # keepalive_timeout_ms says; without it a silently cut path (a container
+        # taken off its network) went unnoticed for over a minute on both ends.
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         # Accept pings as often as our own peers send them.

@@ -31,12 +31,16 @@ RULES: dict[str, frozenset[Role]] = {
     "/hypha.v1.Worker/DispatchJob": frozenset({Role.SCHEDULER}),
     "/hypha.v1.Worker/CancelJob": frozenset({Role.SCHEDULER}),
     "/hypha.v1.Worker/GetJobStatus": frozenset({Role.SCHEDULER, Role.ADMIN}),
-    "/hypha.v1.Worker/PushTensors": frozenset({Role.WORKER}),
-    # Schedulers pull a finished job's result files (kind "result"); the worker checks the rest.
+    # Schedulers push a parameter server's state to its replacement (kind "ps-state" only: the
+    # worker checks), and pull it after each round, or a finished job's result files ("result").
+    "/hypha.v1.Worker/PushTensors": frozenset({Role.WORKER, Role.SCHEDULER}),
     "/hypha.v1.Worker/PullTensors": frozenset({Role.WORKER, Role.SCHEDULER}),
     "/hypha.v1.Worker/GetStatus": frozenset({Role.SCHEDULER, Role.ADMIN, Role.CLIENT}),
     # Scheduler: the client API is for clients; job control is for workers.
     "/hypha.v1.Scheduler/": _OPERATORS,
+    # Growing or shrinking a running job: operators (the servicer further requires its submitter
+    # or an admin, as for cancelling).
+    "/hypha.v1.Scheduler/ScaleJob": _OPERATORS,
     "/hypha.v1.SchedulerControl/": frozenset({Role.WORKER}),
     # Data nodes serve whoever trains or plans: workers, schedulers, operators.
     "/hypha.v1.DataNode/": frozenset({Role.WORKER, Role.SCHEDULER, Role.ADMIN, Role.CLIENT}),

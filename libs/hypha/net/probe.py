@@ -10,10 +10,19 @@ from hypha.net.tls import TlsMaterial
 
 
 async def probe(
-    tls: TlsMaterial, address: str, *, timeout_s: float = 5.0, service: str = ""
+    tls: TlsMaterial,
+    address: str,
+    *,
+    timeout_s: float = 5.0,
+    service: str = "",
+    server_name: str | None = None,
 ) -> tuple[bool, str]:
-    """(healthy, one-line reason). Never raises for network or TLS failures."""
-    async with secure_channel(tls, address) as channel:
+    """(healthy, one-line reason). Never raises for network or TLS failures.
+
+    ``server_name`` is the name checked in the server's certificate instead of
+    ``address``'s host (as ``secure_channel`` takes it).
+    """
+    async with secure_channel(tls, address, server_name=server_name) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)

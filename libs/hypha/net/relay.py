@@ -28,16 +28,16 @@ import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Generator, Iterable
-from types import TracebackType
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from hypha.net.interceptors import DEFAULT_RECHECK_S
 from hypha.net.messages import RELAY_CHANNEL, Message
 from hypha.net.relay_client import (
+    CLIENT_SIDE,
     MAX_RELAY_MESSAGE_BYTES,
-    Background,
     ClientCall,
     ClientEndpoint,
     Deserializer,
@@ -45,10 +45,14 @@ from hypha.net.relay_client import (
     RelayLimits,
     Serializer,
     frame_kind,
+    parse_frame_message_id,
     passthrough,
     rpc_error,
 )
-from hypha.net.relay_server import RelayBinding, RelayServicerContext, ServerEndpoint, relayed_identity
+from hypha.net.relay_context import RelayBinding, RelayServicerContext, relayed_identity
+from hypha.net.relay_server import ServerEndpoint
+from hypha.pki.crl import RevocationChecker
+from hypha.service import BackgroundTasks, Resource, Service
 from hypha.v1 import gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -206,7 +210,7 @@ class RelayMultiCallable:
         return RelayUnaryResponseCall(core, self._deserialize)
 
 
-class RelayChannel:
+class RelayChannel(Resource):
     """A ``grpc.aio.Channel`` look-alike whose calls travel through the gateways to one peer."""
 
     def __init__(self, endpoint: ClientEndpoint, target: str, default_timeout_s: float | None = None) -> None:
@@ -304,14 +308,8 @@ class RelayChannel:
         for call in list(self._calls):
             call.cancel()
 
-    async def __aenter__(self) -> RelayChannel:
-        return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-
-class Relay:
+class Relay(Service):
     """A node's relay: serves its servicers to relayed callers, and makes relayed calls."""
 
     def __init__(
@@ -321,16 +319,21 @@ class Relay:
         limits: RelayLimits | None = None,
         default_timeout_s: float | None = None,
         grace_s: float = 2.0,
+        revocation: RevocationChecker | None = None,
+        revocation_recheck_s: float = DEFAULT_RECHECK_S,
     ) -> None:
+        """``revocation``: the node's CRL checker, asked about every relayed caller's certificate
+        (as the gateway stamped it) when a call opens and, every ``revocation_recheck_s`` while it
+        stays open, after the CRL changed; None only where no CRL applies (in-memory test links)."""
         self.limits = limits or RelayLimits()
         #: Deadline for relayed calls made without a timeout: without TCP keepalive
         #: nothing else notices a peer that vanished mid-call. None keeps calls open.
         self.default_timeout_s = default_timeout_s
         self.grace_s = grace_s
         self._link = link
-        self._background = Background()
+        self._background = BackgroundTasks()
         self.client = ClientEndpoint(link, self.limits, self._background)
-        self.server = ServerEndpoint(link, self.limits, self._background)
+        self.server = ServerEndpoint(link, self.limits, self._background, revocation, revocation_recheck_s)
         self._channels: dict[str, RelayChannel] = {}
         self._messages: AsyncIterator[Message] | None = None
         self._dispatcher: asyncio.Task[None] | None = None
@@ -365,6 +368,7 @@ class Relay:
         if self._stopped:
             raise RuntimeError("relay already stopped")
         self._started = True
+        self._link.on_error.append(self.gateway_error)
         self._messages = self._link.direct(RELAY_CHANNEL)
         self._dispatcher = asyncio.get_running_loop().create_task(
             self._dispatch(self._messages), name="relay-dispatch"
@@ -385,6 +389,8 @@ class Relay:
         for channel in self._channels.values():
             await channel.close()
         await self.server.wait_idle(1.0)
+        if self.gateway_error in self._link.on_error:
+            self._link.on_error.remove(self.gateway_error)
         if self._dispatcher is not None:
             self._dispatcher.cancel()
             await asyncio.wait([self._dispatcher])
@@ -408,14 +414,19 @@ class Relay:
         self.client.fail_all(grpc.StatusCode.UNAVAILABLE, details)
         self.server.kill_all(grpc.StatusCode.UNAVAILABLE, details)
 
-    async def __aenter__(self) -> Relay:
-        await self.start()
-        return self
+    def gateway_error(self, error: gateway_pb2.GatewayError) -> bool:
+        """The link's ``on_error`` callback: a refused frame ends its call now (True if ours).
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
+        Without it a call whose target had not (re-)attached waited out its whole deadline.
+        """
+        parsed = parse_frame_message_id(error.message_id)
+        if parsed is None:
+            return False
+        side, call_id = parsed  # our call id, or the serving side's own id of the call
+        endpoint = self.client if side == CLIENT_SIDE else self.server
+        if not endpoint.refused(call_id, error):
+            log.debug("relay: gateway error for ended call %s: %s", call_id, error.message)
+        return True  # a relay frame's: routine during a failover, not the link's to warn about
 
     async def _dispatch(self, messages: AsyncIterator[Message]) -> None:
         async for message in messages:

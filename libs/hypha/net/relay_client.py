@@ -11,6 +11,12 @@ the receiver puts them back in order and drops duplicates (``Sequencer``), so
 the protocol survives a gateway path that reorders or repeats frames. The
 ``cancel`` frame is the one exception: it acts as soon as it arrives.
 
+Every frame goes out under a message id naming its call (``frame_message_id``).
+A gateway that cannot deliver one (PEER_UNKNOWN: the peer is not attached,
+or not yet re-attached after a failover) answers with an error frame carrying
+that id, and the call ends at once with UNAVAILABLE (``gateway_error_status``)
+instead of waiting out its deadline; callers retry on UNAVAILABLE.
+
 NOTE: the wire has no flow-control credit, so backpressure is the node's
 dispatcher waiting (up to ``stall_timeout_s``) for room in a call's bounded
 inbox; that stalls the link, which stalls the gateway and the sender. A
@@ -24,7 +30,7 @@ import asyncio
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -33,6 +39,8 @@ import grpc
 from hypha.errors import UnavailableError
 from hypha.net.messages import RELAY_CHANNEL, Message
 from hypha.net.options import CHUNK_BYTES
+from hypha.net.wire import Encoded
+from hypha.service import BackgroundTasks
 from hypha.v1 import gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -63,8 +71,14 @@ class DirectLink(Protocol):
     @property
     def peer_id(self) -> str: ...
 
-    async def send(self, to_peer: str, payload: bytes, channel: str) -> object:
-        """Send a direct message; raises UnavailableError when the gateway link is down."""
+    #: Called with each error frame the gateway sends back; True when the callback owned it.
+    on_error: list[Callable[[gateway_pb2.GatewayError], bool]]
+
+    async def send(self, to_peer: str, payload: bytes, channel: str, message_id: str | None = None) -> object:
+        """Send a direct message; raises UnavailableError when the gateway link is down.
+
+        A gateway error about it (``on_error``) carries ``message_id``.
+        """
         ...
 
     def direct(self, channel: str) -> AsyncIterator[Message]:
@@ -78,6 +92,11 @@ class RelayLimits:
     max_message_bytes: int = MAX_RELAY_MESSAGE_BYTES
     #: Relayed calls this node serves at once; more are refused with RESOURCE_EXHAUSTED.
     max_concurrent_calls: int = 64
+    #: Of those, how many one caller may hold: one peer cannot take every slot.
+    max_calls_per_peer: int = 16
+    #: Longest a served call may run: its deadline when the caller set none (``timeout_s = 0``)
+    #: or a longer one, so a call never holds a slot for ever.
+    max_call_s: float = 3600.0
     #: Messages buffered per call and direction before the dispatcher waits.
     queue_messages: int = 8
     #: How long the dispatcher waits for a call to make room before failing it.
@@ -171,29 +190,44 @@ class Mailbox(Generic[T]):
         self._writable.set()
 
 
-class Background:
-    """Fire-and-forget sends (cancel and status frames) that stop() can still wait for."""
-
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def drain(self, timeout_s: float) -> None:
-        if not self._tasks:
-            return
-        _, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending)
+def relay_frame_bytes(header: gateway_pb2.RelayFrame, message: bytes) -> bytes:
+    """``header`` (call id and seq) as a message frame carrying ``message``: the same bytes a
+    parser reads as ``RelayFrame(message=message, ...)``, without serializing ``message`` twice."""
+    return bytes(Encoded.with_field(header, "message", message))
 
 
 def frame_kind(frame: gateway_pb2.RelayFrame) -> str | None:
     return frame.WhichOneof("kind")
+
+
+#: Message id prefixes of relay frames: sent by the caller's half, by the serving half.
+CLIENT_SIDE, SERVER_SIDE = "rc", "rs"
+
+
+def frame_message_id(side: str, call_id: str, seq: int) -> str:
+    """The link message id of one relay frame: a gateway error about it names the call."""
+    return f"{side}.{call_id}.{seq}"
+
+
+def parse_frame_message_id(message_id: str) -> tuple[str, str] | None:
+    """(side, call id) of a relay frame's message id; None for any other message."""
+    side, _, rest = message_id.partition(".")
+    call_id, _, seq = rest.rpartition(".")
+    if side not in (CLIENT_SIDE, SERVER_SIDE) or not call_id or not seq.isdigit():
+        return None
+    return side, call_id
+
+
+def gateway_error_status(error: gateway_pb2.GatewayError) -> tuple[grpc.StatusCode, str]:
+    """The status a relayed call ends with when a gateway refuses one of its frames."""
+    name = gateway_pb2.ErrorCode.Name(error.code) if error.code in gateway_pb2.ErrorCode.values() else "?"
+    details = f"gateway refused a relay frame ({name}): {error.message}"
+    if error.code == gateway_pb2.ERROR_CODE_FRAME_TOO_LARGE:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    if error.code == gateway_pb2.ERROR_CODE_FORBIDDEN:
+        return grpc.StatusCode.PERMISSION_DENIED, details
+    # PEER_UNKNOWN (not attached, or not yet re-attached): retryable, like a direct peer that is down.
+    return grpc.StatusCode.UNAVAILABLE, details
 
 
 _NO_REQUEST = object()
@@ -208,7 +242,7 @@ def passthrough(value: Any) -> Any:
 class ClientEndpoint:
     """This node's calls in flight to relayed peers, by call id."""
 
-    def __init__(self, link: DirectLink, limits: RelayLimits, background: Background) -> None:
+    def __init__(self, link: DirectLink, limits: RelayLimits, background: BackgroundTasks) -> None:
         self.link = link
         self.limits = limits
         self.background = background
@@ -239,6 +273,16 @@ class ClientEndpoint:
         for call in list(self._calls.values()):
             call.fail(code, details, notify_server=False)
 
+    def refused(self, call_id: str, error: gateway_pb2.GatewayError) -> bool:
+        """A gateway could not deliver a frame of call ``call_id``: end it now; False if unknown."""
+        call = self._calls.get(call_id)
+        if call is None:
+            return False
+        code, details = gateway_error_status(error)
+        # A peer the gateway does not know cannot be told; any other refusal leaves it waiting.
+        call.fail(code, details, notify_server=error.code != gateway_pb2.ERROR_CODE_PEER_UNKNOWN)
+        return True
+
 
 class ClientCall:
     """One relayed call as the caller sees it: frames out, ordered frames in."""
@@ -258,7 +302,8 @@ class ClientCall:
         self._endpoint = endpoint
         self._limits = endpoint.limits
         self._serialize = serializer
-        self._inbox: Mailbox[gateway_pb2.RelayFrame] = Mailbox(self._limits.queue_messages)
+        #: Response messages (bytes) and the final status frame, in order.
+        self._inbox: Mailbox[bytes | gateway_pb2.RelayFrame] = Mailbox(self._limits.queue_messages)
         self._sequencer = Sequencer(self._limits.reorder_window)
         self._next_seq = 0
         self._opened = False
@@ -321,7 +366,7 @@ class ClientCall:
                 f"request message of {len(data)} bytes exceeds {self._limits.max_message_bytes}",
             )
             raise _CallOver()
-        await self._send(gateway_pb2.RelayFrame(message=data))
+        await self._send(gateway_pb2.RelayFrame(), message=data)
 
     async def write_from_caller(self, request: Any) -> None:
         """``call.write()`` in write mode: waits for the open frame, raises the call's error."""
@@ -346,14 +391,17 @@ class ClientCall:
                 raise
             raise self._error() from None
 
-    async def _send(self, frame: gateway_pb2.RelayFrame) -> None:
+    async def _send(self, frame: gateway_pb2.RelayFrame, message: bytes | None = None) -> None:
+        """Send ``frame``, or a message frame carrying ``message`` (encoded with one copy of it)."""
         if self.status is not None and not frame.cancel:
             raise _CallOver()
         frame.call_id = self.call_id
         frame.seq = self._next_seq
         self._next_seq += 1
+        message_id = frame_message_id(CLIENT_SIDE, self.call_id, frame.seq)
+        payload = frame.SerializeToString() if message is None else relay_frame_bytes(frame, message)
         try:
-            await self._endpoint.link.send(self.target, frame.SerializeToString(), RELAY_CHANNEL)
+            await self._endpoint.link.send(self.target, payload, RELAY_CHANNEL, message_id)
         except UnavailableError as err:
             # Still try the cancel frame: the open may have gone out, and the server would wait for the rest.
             self.fail(grpc.StatusCode.UNAVAILABLE, f"relay unavailable: {err.message}")
@@ -375,20 +423,23 @@ class ClientCall:
             self.fail(grpc.StatusCode.UNAVAILABLE, f"relay frames lost: {err}")
             return
         for item in ready:
-            if frame_kind(item) == "message" and len(item.message) > self._limits.max_message_bytes:
+            kind = frame_kind(item)
+            # A message frame is queued as its message, read once (every read of a bytes field copies it).
+            entry: bytes | gateway_pb2.RelayFrame = item.message if kind == "message" else item
+            if isinstance(entry, bytes) and len(entry) > self._limits.max_message_bytes:
                 self.fail(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"response message exceeds {self._limits.max_message_bytes} bytes",
                 )
                 return
             try:
-                accepted = await self._inbox.put(item, self._limits.stall_timeout_s)
+                accepted = await self._inbox.put(entry, self._limits.stall_timeout_s)
             except TimeoutError:
                 self.fail(grpc.StatusCode.RESOURCE_EXHAUSTED, "caller stopped reading relayed responses")
                 return
             if not accepted:
                 return
-            if frame_kind(item) == "status":
+            if kind == "status":
                 self._finish((status_code(item.status.code), item.status.details))
                 return
 
@@ -401,8 +452,8 @@ class ClientCall:
             raise
         if frame is None:
             return None
-        if frame_kind(frame) == "message":
-            return frame.message
+        if isinstance(frame, bytes):
+            return frame
         code = status_code(frame.status.code)
         error = None if code == grpc.StatusCode.OK else rpc_error(code, frame.status.details)
         self._inbox.close(error)

@@ -3,10 +3,19 @@ peers whose calls arrive as ``RelayFrame`` direct messages.
 
 The handlers are the very ones a ``NodeServer`` serves: they are captured
 from the generated ``add_XServicer_to_server`` functions, so a servicer
-cannot tell a relayed call from a direct one except through its context.
-The caller's identity is what the gateway stamped on the frames (it
-authenticated the sender's TLS session), and the same role policy
-(``hypha.net.policy``) and error mapping apply as on the direct path.
+cannot tell a relayed call from a direct one except through its context
+(``relay_context``). The caller's identity is what the gateway stamped on
+the frames (it authenticated the sender's TLS session): peer id, role and
+the certificate's serial, issuer and issuer key id. With a
+``RevocationChecker`` the callee checks that certificate (and the CAs above
+it) against its own CRL, at open and while the call stays open
+(``relay_revocation``), as the server guard does for a direct call, before
+the role policy (``hypha.net.policy``); the error mapping is the direct
+path's too.
+
+Bounds (``RelayLimits``): calls served at once, calls per caller, and a
+deadline on every call (the caller's, capped at ``max_call_s``; a caller
+that set none gets ``max_call_s``).
 """
 
 from __future__ import annotations
@@ -14,191 +23,65 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, NoReturn
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 import grpc
-from cryptography import x509
 
-from hypha.net.interceptors import status_for
+from hypha.net.interceptors import DEFAULT_RECHECK_S, status_for
 from hypha.net.messages import RELAY_CHANNEL, Message
 from hypha.net.policy import is_allowed
 from hypha.net.relay_client import (
-    Background,
+    SERVER_SIDE,
     DirectLink,
     FramesLostError,
     Mailbox,
     RelayLimits,
     Sequencer,
     frame_kind,
+    frame_message_id,
+    gateway_error_status,
     passthrough,
+    relay_frame_bytes,
 )
+from hypha.net.relay_context import HandlerTable, RelayBinding, RelayServicerContext, relayed_identity
+from hypha.net.relay_revocation import OpenCallRevocations, Refusal
+from hypha.pki.crl import RevocationChecker
 from hypha.pki.identity import PeerIdentity
+from hypha.service import BackgroundTasks
 from hypha.v1 import gateway_pb2
 
 log = logging.getLogger(__name__)
-
-#: (register function from *_pb2_grpc, servicer, full service name), as ``NodeServer`` takes them.
-RelayBinding = tuple[Callable[[Any, Any], None], Any, str]
-
-
-def relayed_identity(peer_id: str, role: Any) -> PeerIdentity:
-    """The caller of a relayed call: no certificate reached us, so no name, serial or issuer."""
-    return PeerIdentity(peer_id=peer_id, role=role, name="", serial=0, issuer=x509.Name([]))
-
-
-@dataclass(frozen=True)
-class _CallDetails:
-    """The ``grpc.HandlerCallDetails`` that generic handlers are asked with."""
-
-    method: str
-    invocation_metadata: tuple[Any, ...] = ()
-
-
-class HandlerTable:
-    """Stands in for a ``grpc.aio.Server`` while generated code registers handlers."""
-
-    def __init__(self) -> None:
-        self._methods: dict[str, Any] = {}
-        self._generic: list[Any] = []
-
-    def add_generic_rpc_handlers(self, handlers: Iterable[Any]) -> None:
-        self._generic.extend(handlers)
-
-    def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, Any]) -> None:
-        for name, handler in method_handlers.items():
-            self._methods[f"/{service_name}/{name}"] = handler
-
-    def lookup(self, method: str) -> Any | None:
-        """The ``grpc.RpcMethodHandler`` for a full method name, or None."""
-        handler = self._methods.get(method)
-        if handler is None:
-            for generic in self._generic:
-                handler = generic.service(_CallDetails(method))
-                if handler is not None:
-                    break
-        return handler
-
-
-class RelayServicerContext(grpc.aio.ServicerContext):
-    """The ``grpc.aio.ServicerContext`` of a relayed call.
-
-    ``relay_identity`` is the gateway-stamped caller; ``auth_context()`` is
-    empty because no TLS session with the caller exists.
-    """
-
-    def __init__(self, call: ServerCall, identity: PeerIdentity, deadline: float | None) -> None:
-        self._call = call
-        self.relay_identity = identity
-        self._deadline = deadline
-        self._code: grpc.StatusCode | None = None
-        self._details = ""
-        self._cancelled = False
-        self._done = False
-        self._callbacks: list[Callable[[Any], None]] = []
-
-    async def read(self) -> Any:
-        return await self._call.read_request()
-
-    async def write(self, message: Any) -> None:
-        await self._call.write_response(message)
-
-    async def send_initial_metadata(self, initial_metadata: Any) -> None:
-        return None
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> NoReturn:
-        if code == grpc.StatusCode.OK:
-            raise ValueError("abort() needs a non-OK status code")
-        self._code = code
-        self._details = details
-        raise grpc.aio.AbortError()
-
-    async def abort_with_status(self, status: Any) -> NoReturn:
-        await self.abort(status.code, status.details)
-
-    def set_trailing_metadata(self, trailing_metadata: Any) -> None:
-        return None
-
-    def invocation_metadata(self) -> tuple[Any, ...]:
-        # NOTE: RelayFrame carries no metadata; relayed calls arrive without any.
-        return ()
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self._code = code
-
-    def set_details(self, details: str) -> None:
-        self._details = details
-
-    def set_compression(self, compression: Any) -> None:
-        return None
-
-    def disable_next_message_compression(self) -> None:
-        return None
-
-    def peer(self) -> str:
-        return f"relay:{self.relay_identity.peer_id}"
-
-    def peer_identities(self) -> None:
-        return None
-
-    def peer_identity_key(self) -> None:
-        return None
-
-    def auth_context(self) -> dict[str, Any]:
-        return {}
-
-    def time_remaining(self) -> float | None:
-        if self._deadline is None:
-            return None
-        return max(0.0, self._deadline - asyncio.get_running_loop().time())
-
-    def trailing_metadata(self) -> tuple[Any, ...]:
-        return ()
-
-    def code(self) -> grpc.StatusCode | None:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
-        if self._done:
-            callback(self)
-        else:
-            self._callbacks.append(callback)
-
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    def done(self) -> bool:
-        return self._done
-
-    def final_status(self) -> tuple[grpc.StatusCode, str]:
-        return self._code or grpc.StatusCode.OK, self._details
-
-    def failed(self) -> bool:
-        return self._code is not None and self._code != grpc.StatusCode.OK
-
-    def _finish(self) -> None:
-        self._done = True
-        for callback in self._callbacks:
-            try:
-                callback(self)
-            except Exception:
-                log.exception("relayed call done callback failed")
 
 
 class ServerEndpoint:
     """This node's relayed calls being served, by (caller, call id)."""
 
-    def __init__(self, link: DirectLink, limits: RelayLimits, background: Background) -> None:
+    def __init__(
+        self,
+        link: DirectLink,
+        limits: RelayLimits,
+        background: BackgroundTasks,
+        revocation: RevocationChecker | None = None,
+        recheck_s: float = DEFAULT_RECHECK_S,
+    ) -> None:
         self.link = link
         self.limits = limits
         self.background = background
+        #: Opens refused, by reason (revoked, unstamped, role, busy, peer_busy, ...), and open calls
+        #: ended because their caller was revoked meanwhile (revoked_open_call).
+        self.refusals: dict[str, int] = {}
         self.handlers = HandlerTable()
         self.accepting = True
         self._calls: dict[tuple[str, str], ServerCall] = {}
+        #: Checks each caller's stamped certificate at open and while its call is open;
+        #: None: no revocation checks (tests' fake links).
+        self.revocations = (
+            None
+            if revocation is None
+            else OpenCallRevocations(revocation, recheck_s, background, self._calls.values, self.refusals)
+        )
 
     @property
     def active_calls(self) -> int:
@@ -213,36 +96,69 @@ class ServerEndpoint:
         key = (message.from_peer, frame.call_id)
         if key in self._calls:
             return False
-        method = frame.open
-        handler = self.handlers.lookup(method)
-        refusal: tuple[grpc.StatusCode, str] | None = None
-        if not self.accepting:
-            refusal = grpc.StatusCode.UNAVAILABLE, "relay stopping"
-        elif handler is None:
-            refusal = grpc.StatusCode.UNIMPLEMENTED, f"method not found: {method}"
-        elif not is_allowed(method, message.from_role):
-            refusal = (
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"role {message.from_role.value} may not call {method}",
-            )
-        elif len(self._calls) >= self.limits.max_concurrent_calls:
-            refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, "too many relayed calls in progress"
+        handler = self.handlers.lookup(frame.open)
+        identity = relayed_identity(message)
+        refusal = self._refusal(frame.open, handler, identity, message.from_issuer)
         if refusal is not None:
+            self.refusals[refusal[0]] = self.refusals.get(refusal[0], 0) + 1
             self.background.spawn(
-                self._refuse(message.from_peer, frame.call_id, *refusal), name=f"relay-refuse {frame.call_id}"
+                self._refuse(message.from_peer, frame.call_id, *refusal[1:]),
+                name=f"relay-refuse {frame.call_id}",
             )
             return True
-        call = ServerCall(self, message, frame, handler)
+        call = ServerCall(self, message, frame, handler, identity)
         self._calls[key] = call
+        if self.revocations is not None:
+            # Checked just now: the watcher re-checks it on any later CRL generation.
+            self.revocations.admitted(call)
         call.start()
         return True
+
+    def recheck_revocations(self) -> int:
+        """End the open calls whose caller is now revoked; how many (``OpenCallRevocations.recheck``)."""
+        return 0 if self.revocations is None else self.revocations.recheck()
+
+    def _refusal(self, method: str, handler: Any, caller: PeerIdentity, issuer: str) -> Refusal | None:
+        """(reason, status, details) refusing a call to open, or None: the direct path's order
+        (who, revoked, role), then the bounds.
+
+        ``issuer`` is the stamped RFC 4514 text itself, which is what the CRL
+        checker keys on (no round trip through a parsed name)."""
+        limits = self.limits
+        if not self.accepting:
+            return "stopping", grpc.StatusCode.UNAVAILABLE, "relay stopping"
+        if handler is None:
+            return "unknown_method", grpc.StatusCode.UNIMPLEMENTED, f"method not found: {method}"
+        if self.revocations is not None and (revoked := self.revocations.refusal(caller, issuer)):
+            return revoked
+        if not is_allowed(method, caller.role):
+            return (
+                "role",
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"role {caller.role.value} may not call {method}",
+            )
+        if len(self._calls) >= limits.max_concurrent_calls:
+            return "busy", grpc.StatusCode.RESOURCE_EXHAUSTED, "too many relayed calls in progress"
+        if sum(1 for peer, _ in self._calls if peer == caller.peer_id) >= limits.max_calls_per_peer:
+            return (
+                "peer_busy",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many relayed calls from one peer: at most {limits.max_calls_per_peer} "
+                "(net.relay_max_calls_per_peer)",
+            )
+        return None
 
     async def _refuse(self, peer: str, call_id: str, code: grpc.StatusCode, details: str) -> None:
         frame = gateway_pb2.RelayFrame(
             call_id=call_id, seq=0, status=gateway_pb2.RelayStatus(code=code.value[0], details=details)
         )
         try:
-            await self.link.send(peer, frame.SerializeToString(), RELAY_CHANNEL)
+            await self.link.send(
+                peer,
+                frame.SerializeToString(),
+                RELAY_CHANNEL,
+                frame_message_id(SERVER_SIDE, uuid.uuid4().hex, 0),
+            )
         except Exception as err:
             log.debug("relay: refusal to %s not sent: %r", peer, err)
 
@@ -257,6 +173,20 @@ class ServerEndpoint:
     def remove(self, call: ServerCall) -> None:
         if self._calls.get(call.key) is call:
             del self._calls[call.key]
+        if not self._calls and self.revocations is not None:
+            self.revocations.idle()  # nothing left to watch; the next open starts it again
+
+    def refused(self, serve_id: str, error: gateway_pb2.GatewayError) -> bool:
+        """A gateway could not deliver a response frame of the call ``serve_id``: stop serving it."""
+        # NOTE: by our own id, not the caller-chosen call id, which another caller could reuse.
+        call = next((c for c in self._calls.values() if c.serve_id == serve_id), None)
+        if call is None:
+            return False
+        if error.code == gateway_pb2.ERROR_CODE_PEER_UNKNOWN:
+            call.kill(None, "caller unreachable")  # nobody to tell
+        else:
+            call.kill(*gateway_error_status(error))
+        return True
 
     def kill_all(self, code: grpc.StatusCode | None, details: str) -> None:
         for call in list(self._calls.values()):
@@ -272,13 +202,24 @@ class ServerCall:
     """One relayed call being served: the handler task and its two frame streams."""
 
     def __init__(
-        self, endpoint: ServerEndpoint, message: Message, frame: gateway_pb2.RelayFrame, handler: Any
+        self,
+        endpoint: ServerEndpoint,
+        message: Message,
+        frame: gateway_pb2.RelayFrame,
+        handler: Any,
+        identity: PeerIdentity,
     ) -> None:
         loop = asyncio.get_running_loop()
         self.peer = message.from_peer
         self.call_id = frame.call_id
         self.key = (self.peer, self.call_id)
+        #: Names this call in the message ids of its response frames (``refused``).
+        self.serve_id = uuid.uuid4().hex
         self.method = frame.open
+        #: The caller's issuer exactly as stamped (what the CRL checker keys on).
+        self.issuer = message.from_issuer
+        #: The CRL generation the caller was last found unrevoked at (-1: never checked).
+        self.checked_generation = -1
         self._endpoint = endpoint
         self._limits = endpoint.limits
         self._handler = handler
@@ -287,9 +228,14 @@ class ServerCall:
         self._requests: Mailbox[bytes] = Mailbox(self._limits.queue_messages)
         self._sequencer = Sequencer(self._limits.reorder_window, first=frame.seq + 1)
         self._next_seq = 0
-        deadline = loop.time() + frame.timeout_s if frame.timeout_s > 0 else None
-        self.context = RelayServicerContext(self, relayed_identity(self.peer, message.from_role), deadline)
-        self._timer = None if deadline is None else loop.call_at(deadline, self._expire)
+        # NOTE: never without a deadline: 0 (the caller set none), a negative or NaN one, or one
+        # beyond the cap all get the cap, so no call holds a slot for ever.
+        timeout_s = (
+            frame.timeout_s if 0 < frame.timeout_s < self._limits.max_call_s else self._limits.max_call_s
+        )
+        deadline = loop.time() + timeout_s
+        self.context = RelayServicerContext(self, identity, deadline)
+        self._timer = loop.call_at(deadline, self._expire)
         self._kill_status: tuple[grpc.StatusCode, str] | None = None
         self._status_sent = False
         self.task: asyncio.Task[None] | None = None
@@ -316,14 +262,15 @@ class ServerCall:
                 continue
             if frame_kind(item) != "message":
                 continue
-            if len(item.message) > self._limits.max_message_bytes:
+            message = item.message  # read once: every read of a bytes field copies it
+            if len(message) > self._limits.max_message_bytes:
                 self.kill(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"request message exceeds {self._limits.max_message_bytes} bytes",
                 )
                 return
             try:
-                await self._requests.put(item.message, self._limits.stall_timeout_s)
+                await self._requests.put(message, self._limits.stall_timeout_s)
             except TimeoutError:
                 self.kill(grpc.StatusCode.RESOURCE_EXHAUSTED, "relayed call stopped reading its requests")
                 return
@@ -399,13 +346,16 @@ class ServerCall:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"response message exceeds {self._limits.max_message_bytes} bytes",
             )
-        await self._send(gateway_pb2.RelayFrame(message=data))
+        await self._send(gateway_pb2.RelayFrame(), message=data)
 
-    async def _send(self, frame: gateway_pb2.RelayFrame) -> None:
+    async def _send(self, frame: gateway_pb2.RelayFrame, message: bytes | None = None) -> None:
+        """Send ``frame``, or a message frame carrying ``message`` (encoded with one copy of it)."""
         frame.call_id = self.call_id
         frame.seq = self._next_seq
         self._next_seq += 1
-        await self._endpoint.link.send(self.peer, frame.SerializeToString(), RELAY_CHANNEL)
+        message_id = frame_message_id(SERVER_SIDE, self.serve_id, frame.seq)
+        payload = frame.SerializeToString() if message is None else relay_frame_bytes(frame, message)
+        await self._endpoint.link.send(self.peer, payload, RELAY_CHANNEL, message_id)
 
     async def _send_status(self, code: grpc.StatusCode, details: str) -> None:
         if self._status_sent:
@@ -433,8 +383,7 @@ class ServerCall:
 
     def _on_done(self, task: asyncio.Task[None]) -> None:
         self._endpoint.remove(self)
-        if self._timer is not None:
-            self._timer.cancel()
+        self._timer.cancel()
         self._requests.close()
         self.context._finish()
         if task.cancelled():

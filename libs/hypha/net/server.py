@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 import grpc
@@ -17,10 +16,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from hypha.net.interceptors import ServerGuard
-from hypha.net.options import DEFAULT_KEEPALIVE_S, DEFAULT_MAX_MESSAGE_BYTES, grpc_options
+from hypha.net.interceptors import DEFAULT_RECHECK_S, ServerGuard
+from hypha.net.options import (
+    DEFAULT_KEEPALIVE_S,
+    DEFAULT_MAX_CONCURRENT_RPCS,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_RPCS_PER_PEER,
+    grpc_options,
+)
 from hypha.net.telemetry import server_interceptors
 from hypha.net.tls import TlsMaterial
+from hypha.service import Service
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +34,7 @@ log = logging.getLogger(__name__)
 ServiceBinding = tuple[Callable[[Any, grpc.aio.Server], None], Any, str]
 
 
-class NodeServer:
+class NodeServer(Service):
     def __init__(
         self,
         tls: TlsMaterial,
@@ -38,16 +44,24 @@ class NodeServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         keepalive_s: float = DEFAULT_KEEPALIVE_S,
         grace_s: float = 5.0,
+        revocation_recheck_s: float = DEFAULT_RECHECK_S,
+        max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
+        max_rpcs_per_peer: int = DEFAULT_MAX_RPCS_PER_PEER,
     ) -> None:
+        """``max_concurrent_rpcs`` bounds the calls running at once (grpcio answers the next one
+        RESOURCE_EXHAUSTED itself); ``max_rpcs_per_peer`` bounds one caller's share (the guard)."""
         self.tls = tls
         self.listen = listen
         self.grace_s = grace_s
-        self.guard = ServerGuard(tls.revocation)
+        self.guard = ServerGuard(
+            tls.revocation, recheck_s=revocation_recheck_s, max_per_peer=max_rpcs_per_peer
+        )
         self.health = health_aio.HealthServicer()
         self._services = services
         self._server = grpc.aio.server(
             interceptors=[*server_interceptors(), self.guard],
             options=grpc_options(max_message_bytes, keepalive_s),
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
         )
         self._started = False
         self._stopped = False
@@ -94,12 +108,3 @@ class NodeServer:
 
     async def wait(self) -> None:
         await self._server.wait_for_termination()
-
-    async def __aenter__(self) -> NodeServer:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()

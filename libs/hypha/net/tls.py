@@ -6,6 +6,7 @@ material; nothing else (ids, roles) is ever taken from a message body.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -62,6 +63,9 @@ class TlsMaterial:
     identity: PeerIdentity
     trusted_cas: list[x509.Certificate]
     revocation: RevocationChecker = field(repr=False)
+    #: Where the certificate and key were read from (for ``client_ssl_context``).
+    cert_path: Path | None = None
+    key_path: Path | None = None
 
     @classmethod
     def load(cls, paths: TlsPaths) -> TlsMaterial:
@@ -86,6 +90,8 @@ class TlsMaterial:
             identity=identity_of_pem(leaf_pem),
             trusted_cas=trusted,
             revocation=RevocationChecker(Path(paths.crl) if paths.crl else None, trusted),
+            cert_path=Path(paths.cert),
+            key_path=Path(paths.key),
         )
 
     def server_credentials(self) -> grpc.ServerCredentials:
@@ -102,3 +108,16 @@ class TlsMaterial:
             private_key=self.key_pem,
             certificate_chain=self.cert_chain_pem,
         )
+
+    def client_ssl_context(self) -> ssl.SSLContext:
+        """An ``ssl`` client context with the same trust and client certificate as our gRPC channels.
+
+        grpcio shows a client neither the server's certificate nor a verify
+        hook, so ``hypha.net.channel.check_server`` makes one handshake of its
+        own with this context to read the certificate and check it.
+        """
+        context = ssl.create_default_context(cadata=self.trust_pem.decode("ascii"))
+        if self.cert_path is not None and self.key_path is not None:
+            context.load_cert_chain(self.cert_path, self.key_path)
+        context.set_alpn_protocols(["h2"])
+        return context

@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -42,6 +40,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from hypha.fsutil import write_atomic
 from hypha.pki.identity import Role
 
 ROOT_CERT_FILE = "root-ca-cert.pem"
@@ -151,21 +150,6 @@ def issuer_chain(ca_cert_path: Path | str) -> list[x509.Certificate]:
             )
         chain.append(parent)
     return chain
-
-
-def write_atomic(path: Path, data: bytes, mode: int) -> None:
-    """Write then rename, so readers see the old file or the new one, never a part."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def verify_chain(
@@ -343,6 +327,10 @@ def make_org(
     return cert_path, key_path
 
 
+#: The SANs ``make_node(loopback=True)`` (``hypha-certutil node --loopback``) adds.
+LOOPBACK_SANS = ("localhost", "127.0.0.1")
+
+
 def parse_san(value: str) -> x509.GeneralName:
     """An IP SAN when ``value`` is an IP address, else a DNS SAN."""
     try:
@@ -371,8 +359,17 @@ def make_node(
     not_before: dt.datetime | None = None,
     not_after: dt.datetime | None = None,
     key_path: Path | str | None = None,
+    loopback: bool = False,
 ) -> tuple[Path, Path, Path]:
     """Issue a node certificate; returns (cert path, key path, trust path).
+
+    The SANs are ``name`` and ``sans``, nothing else: peers check the address
+    they dial against them, so a production certificate names only where the
+    node is really reached. ``loopback`` adds ``localhost`` and ``127.0.0.1``,
+    for nodes dialled on this machine (a local cluster, tests); elsewhere they
+    would only make every node's certificate pass the name check of whatever
+    answers on the dialler's own loopback. (A container's health probe dials
+    127.0.0.1 but checks the node's name: ``probe --server-name``.)
 
     ``key_path`` reuses an existing key (renewal keeps the peer id); otherwise
     a fresh key is generated. ``not_before``/``not_after`` override the
@@ -389,7 +386,7 @@ def make_node(
     chain = issuer_chain(ca_cert_path)
     key = load_private_key(key_path) if key_path is not None else generate_key()
     names: list[x509.GeneralName] = []
-    for value in (name, "localhost", "127.0.0.1", *sans):
+    for value in (name, *(LOOPBACK_SANS if loopback else ()), *sans):
         general = parse_san(value)
         if general not in names:
             names.append(general)

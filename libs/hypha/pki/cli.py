@@ -64,7 +64,13 @@ def _build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="S",
-        help="extra subject alternative name (IP or DNS); repeatable",
+        help="subject alternative name (IP or DNS) peers reach the node at, besides N; repeatable",
+    )
+    node.add_argument(
+        "--loopback",
+        action="store_true",
+        help="also name localhost and 127.0.0.1: only for nodes dialled on their own machine "
+        "(a local cluster)",
     )
     node.add_argument("--out", required=True, type=Path, metavar="DIR")
     node.add_argument("--days", type=int, default=365, help="validity in days (default: %(default)s)")
@@ -73,6 +79,11 @@ def _build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="EXISTING_KEY",
         help="reuse this private key (renewal: the peer id stays the same)",
+    )
+    node.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing key in DIR (a new key is a new peer id; --key renews keeping it)",
     )
     node.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
@@ -152,6 +163,7 @@ def _run(args: argparse.Namespace) -> None:
         )
         print(f"cert: {cert}\nkey: {key}")
     elif args.command == "node":
+        _refuse_new_key(args)
         cert, key, trust = certs.make_node(
             args.ca_cert,
             args.ca_key,
@@ -161,6 +173,7 @@ def _run(args: argparse.Namespace) -> None:
             sans=args.san,
             days=args.days,
             key_path=args.key,
+            loopback=args.loopback,
         )
         result = {
             "peer_id": peer_id_of(certs.load_cert_chain(cert)[0]),
@@ -188,6 +201,18 @@ def _run(args: argparse.Namespace) -> None:
             _print_fields(fields)
     else:  # pragma: no cover - argparse restricts the choices
         raise UsageError(f"unknown command {args.command}")
+
+
+def _refuse_new_key(args: argparse.Namespace) -> None:
+    """A node's key is its identity (the peer id is derived from it): issuing into a dir that
+    already holds the node's key, without reusing that key, would silently make a new peer."""
+    existing = certs.node_paths(args.out, args.name)[1]
+    reused = args.key is not None and Path(args.key).resolve() == existing.resolve()
+    if existing.exists() and not reused and not args.force:
+        raise FileExistsError(
+            f"{existing} already exists; a new key would give {args.name} a new peer id "
+            f"(--key {existing} renews the certificate keeping it)"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,7 +21,8 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
@@ -29,12 +30,16 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from hypha.pki.certs import is_self_signed, load_cert_chain, load_private_key, write_atomic
+from hypha.fsutil import write_atomic
+from hypha.pki.certs import is_self_signed, load_cert_chain, load_private_key
 
 log = logging.getLogger(__name__)
 
 #: How long a freshly written CRL claims to be current (its nextUpdate).
 DEFAULT_NEXT_UPDATE = dt.timedelta(days=30)
+
+#: Longest CA chain walked above a certificate (root, org, sub-CA... and some room).
+_MAX_CHAIN = 8
 
 #: A file modified less than this long ago is also compared by content (see refresh()).
 _RACY_WINDOW_NS = 2_000_000_000
@@ -113,6 +118,7 @@ def _update_crl_file(
     crl_path: Path | str,
     new: Callable[[x509.Certificate, dt.datetime], x509.RevokedCertificate | None],
     next_update: dt.timedelta,
+    also_carry: x509.Certificate | None = None,
 ) -> x509.CertificateRevocationList:
     ca_cert = load_cert_chain(ca_cert_path)[0]
     ca_key = load_private_key(ca_key_path)
@@ -142,6 +148,10 @@ def _update_crl_file(
     ours = crl.public_bytes(serialization.Encoding.PEM)
     if not is_self_signed(ca_cert):
         ours = ca_cert.public_bytes(serialization.Encoding.PEM) + ours
+    if also_carry is not None:
+        carried = also_carry.public_bytes(serialization.Encoding.PEM)
+        if carried not in kept:
+            kept.append(carried)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, b"".join([*kept, ours]), 0o644)
     return crl
@@ -178,7 +188,11 @@ def revoke(
             builder = builder.add_extension(x509.CRLReason(reason), critical=False)
         return builder.build()
 
-    crl = _update_crl_file(ca_cert_path, ca_key_path, crl_path, entry, next_update)
+    # A revoked CA's certificate travels in the file: a checker that does not
+    # trust that CA directly (another organisation's) still learns its name and
+    # key, and so which leaves the revocation takes down with it.
+    carry = leaf if _is_ca(leaf) else None
+    crl = _update_crl_file(ca_cert_path, ca_key_path, crl_path, entry, next_update, carry)
     log.info("revoked serial %x; CRL %s now lists %d certificate(s)", leaf.serial_number, crl_path, len(crl))
 
 
@@ -225,6 +239,16 @@ class RevocationChecker:
         self._clock = clock
         self._lock = threading.Lock()
         self._revoked: dict[str, frozenset[int]] = {}
+        #: Every CA certificate known: trusted ones and those a trusted CA vouches for in the file.
+        self._cas: list[x509.Certificate] = list(self._trusted)
+        #: What the chain walk needs of each CA, computed once per load: a signature check
+        #: (is it self-signed?) per CA per lookup made a re-check of 1,000 open streams
+        #: cost most of a gateway's CPU.
+        self._ca_facts = [_CaFacts.of(c) for c in self._cas]
+        #: (issuer, serial, aki) -> revoked, for the current load only.
+        self._memo: dict[tuple[str, int, bytes | None], bool] = {}
+        #: Bumped on every load that changed what is revoked: watchers re-check only then.
+        self.generation = 0
         self._seen: tuple[int, int, int, int] | None = None
         #: The bytes last read (parsed or not), to skip re-parsing an unchanged file.
         self._raw: bytes | None = None
@@ -235,11 +259,39 @@ class RevocationChecker:
     def path(self) -> Path | None:
         return self._path
 
-    def is_revoked(self, issuer: x509.Name | str, serial: int) -> bool:
-        """Whether the certificate ``serial`` of ``issuer`` (a Name or its RFC 4514 string) is revoked."""
+    def is_revoked(self, issuer: x509.Name | str, serial: int, authority_key_id: bytes | None = None) -> bool:
+        """Whether the certificate ``serial`` of ``issuer`` (a Name or its RFC 4514 string) is revoked,
+        or any CA above it is: revoking an organisation's CA takes down every certificate it issued.
+
+        ``authority_key_id`` (the certificate's AKI) picks the issuing CA among
+        CAs that share a name (a CA re-issued with a new key); without it every
+        known CA of that name counts.
+        """
         self.refresh()
-        serials = self._revoked.get(_issuer_key(issuer))
-        return serials is not None and serial in serials
+        key = (_issuer_key(issuer), serial, authority_key_id)
+        memo = self._memo
+        found = memo.get(key)
+        if found is None:
+            found = self._chain_revoked(*key, depth=0)
+            if len(memo) >= _MEMO_MAX:
+                memo.clear()
+            memo[key] = found
+        return found
+
+    def _chain_revoked(self, issuer: str, serial: int, aki: bytes | None, depth: int) -> bool:
+        serials = self._revoked.get(issuer)
+        if serials is not None and serial in serials:
+            return True
+        if depth >= _MAX_CHAIN:
+            return False
+        for ca in self._ca_facts:
+            if ca.subject != issuer or ca.self_signed:
+                continue
+            if aki is not None and ca.ski not in (None, aki):
+                continue
+            if self._chain_revoked(ca.issuer, ca.serial, ca.aki, depth + 1):
+                return True
+        return False
 
     def revoked(self) -> dict[str, frozenset[int]]:
         """The current revoked serials per issuer (RFC 4514 string), after a refresh."""
@@ -321,7 +373,12 @@ class RevocationChecker:
                     self._path,
                 )
             revoked.setdefault(_issuer_key(crl.issuer), set()).update(e.serial_number for e in crl)
+        # Swapped together, then the memo dropped: a reader sees the old set or the new one.
+        self._cas = issuers
+        self._ca_facts = [_CaFacts.of(c) for c in issuers]
         self._revoked = {issuer: frozenset(serials) for issuer, serials in revoked.items()}
+        self._memo = {}
+        self.generation += 1
         self._loaded_once = True
         log.info(
             "loaded CRL %s: %d revoked certificate(s) from %d issuer(s)",
@@ -344,13 +401,49 @@ class RevocationChecker:
         return False
 
 
+#: Lookups remembered per CRL load (peers seen); past it the memo starts over.
+_MEMO_MAX = 100_000
+
+
+@dataclass(frozen=True)
+class _CaFacts:
+    """A CA certificate as the chain walk reads it."""
+
+    subject: str
+    issuer: str
+    serial: int
+    ski: bytes | None
+    aki: bytes | None
+    self_signed: bool
+
+    @classmethod
+    def of(cls, cert: x509.Certificate) -> _CaFacts:
+        return cls(
+            _issuer_key(cert.subject),
+            _issuer_key(cert.issuer),
+            cert.serial_number,
+            _subject_key_id(cert),
+            _authority_key_id(cert),
+            is_self_signed(cert),
+        )
+
+
+def _subject_key_id(cert: x509.Certificate) -> bytes | None:
+    try:
+        return cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value.digest
+    except x509.ExtensionNotFound:
+        return None
+
+
+def _authority_key_id(cert: x509.Certificate) -> bytes | None:
+    try:
+        return cert.extensions.get_extension_for_class(x509.AuthorityKeyIdentifier).value.key_identifier
+    except x509.ExtensionNotFound:
+        return None
+
+
 def _is_ca(cert: x509.Certificate) -> bool:
     try:
         return bool(cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
     except x509.ExtensionNotFound:
         return False
-
-
-def trusted_from_file(path: Path | str) -> Sequence[x509.Certificate]:
-    """The CA certificates of a trust bundle (``N-trust.pem``)."""
-    return [c for c in load_cert_chain(path) if _is_ca(c)]

@@ -114,6 +114,9 @@ class PeerIdentity:
     #: Certificate serial; with ``issuer`` it is what a CRL names.
     serial: int
     issuer: x509.Name
+    #: Key id of the issuing CA (AuthorityKeyIdentifier): which of several CAs
+    #: sharing a name signed it, for the chain walk of revocation checks.
+    authority_key_id: bytes | None = None
 
     @classmethod
     def of_certificate(cls, cert: x509.Certificate) -> PeerIdentity:
@@ -123,7 +126,15 @@ class PeerIdentity:
             name=common_name_of(cert.subject),
             serial=cert.serial_number,
             issuer=cert.issuer,
+            authority_key_id=authority_key_id_of(cert),
         )
+
+
+def authority_key_id_of(cert: x509.Certificate) -> bytes | None:
+    try:
+        return cert.extensions.get_extension_for_class(x509.AuthorityKeyIdentifier).value.key_identifier
+    except x509.ExtensionNotFound:
+        return None
 
 
 @lru_cache(maxsize=4096)

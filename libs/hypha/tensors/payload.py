@@ -24,6 +24,7 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from hypha.errors import InvalidArgumentError
+from hypha.tensors import quant
 
 #: Content type carried by the first chunk of a tensor payload.
 CONTENT_TYPE = "application/safetensors"
@@ -114,6 +115,11 @@ def decode_state(
         loaded = _st_load(raw)
     except (SafetensorError, ValueError, TypeError, KeyError) as exc:
         raise InvalidArgumentError(f"malformed safetensors payload: {exc}") from None
+    if any(name.startswith(quant.PREFIX) for name in loaded):
+        # A compressed Δ (int8 / top-k, hypha.tensors.quant): decoded to fp32 here, so every
+        # receiver takes it through this one call.
+        shapes = None if expected is None else template_of_entries(expected)
+        loaded = quant.decode_wire(loaded, read_metadata(raw), shapes)
     if expected is not None:
         check_template(loaded, expected)
     out: dict[str, torch.Tensor] = {}
@@ -147,6 +153,11 @@ def read_metadata(data: bytes | bytearray | memoryview) -> dict[str, str]:
     ):
         raise InvalidArgumentError("malformed safetensors header: __metadata__ must map strings to strings")
     return dict(metadata)
+
+
+def template_of_entries(expected: Mapping[str, TemplateEntry]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a template whose entries are tensors or shapes."""
+    return {n: tuple(e.shape) if isinstance(e, torch.Tensor) else tuple(e) for n, e in expected.items()}
 
 
 def template_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:

@@ -26,6 +26,7 @@ class ExecutorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EXECUTOR_KIND_DILOCO_TRAINER: _ClassVar[ExecutorKind]
     EXECUTOR_KIND_PARAMETER_SERVER: _ClassVar[ExecutorKind]
     EXECUTOR_KIND_TASK: _ClassVar[ExecutorKind]
+    EXECUTOR_KIND_INFERENCE: _ClassVar[ExecutorKind]
 
 class OfferStrategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -54,6 +55,7 @@ class DeltaDType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DELTA_DTYPE_FP32: _ClassVar[DeltaDType]
     DELTA_DTYPE_BF16: _ClassVar[DeltaDType]
     DELTA_DTYPE_FP16: _ClassVar[DeltaDType]
+    DELTA_DTYPE_INT8: _ClassVar[DeltaDType]
 
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -75,6 +77,7 @@ EXECUTOR_KIND_UNSPECIFIED: ExecutorKind
 EXECUTOR_KIND_DILOCO_TRAINER: ExecutorKind
 EXECUTOR_KIND_PARAMETER_SERVER: ExecutorKind
 EXECUTOR_KIND_TASK: ExecutorKind
+EXECUTOR_KIND_INFERENCE: ExecutorKind
 OFFER_STRATEGY_UNSPECIFIED: OfferStrategy
 OFFER_STRATEGY_WHOLE: OfferStrategy
 OFFER_STRATEGY_FLEXIBLE: OfferStrategy
@@ -91,6 +94,7 @@ DELTA_DTYPE_UNSPECIFIED: DeltaDType
 DELTA_DTYPE_FP32: DeltaDType
 DELTA_DTYPE_BF16: DeltaDType
 DELTA_DTYPE_FP16: DeltaDType
+DELTA_DTYPE_INT8: DeltaDType
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_PENDING: JobState
 JOB_STATE_ALLOCATING: JobState
@@ -100,18 +104,20 @@ JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "role", "name", "addresses", "gateway_id")
+    __slots__ = ("peer_id", "role", "name", "addresses", "gateway_id", "manifest_sha256")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     role: Role
     name: str
     addresses: _containers.RepeatedScalarFieldContainer[str]
     gateway_id: str
-    def __init__(self, peer_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., name: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., gateway_id: _Optional[str] = ...) -> None: ...
+    manifest_sha256: str
+    def __init__(self, peer_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., name: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., gateway_id: _Optional[str] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
 
 class Resources(_message.Message):
     __slots__ = ("cpu", "memory_gb", "storage_gb", "gpu", "gpu_memory_gb")
@@ -144,7 +150,7 @@ class PriceRange(_message.Message):
     def __init__(self, bid: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...
 
 class Advertisement(_message.Message):
-    __slots__ = ("request_id", "scheduler_id", "scheduler_addresses", "requirements", "bid", "deadline", "count")
+    __slots__ = ("request_id", "scheduler_id", "scheduler_addresses", "requirements", "bid", "deadline", "count", "offer_probability")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +158,7 @@ class Advertisement(_message.Message):
     BID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    OFFER_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     scheduler_id: str
     scheduler_addresses: _containers.RepeatedScalarFieldContainer[str]
@@ -159,7 +166,8 @@ class Advertisement(_message.Message):
     bid: float
     deadline: _timestamp_pb2.Timestamp
     count: int
-    def __init__(self, request_id: _Optional[str] = ..., scheduler_id: _Optional[str] = ..., scheduler_addresses: _Optional[_Iterable[str]] = ..., requirements: _Optional[_Union[Requirements, _Mapping]] = ..., bid: _Optional[float] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., count: _Optional[int] = ...) -> None: ...
+    offer_probability: float
+    def __init__(self, request_id: _Optional[str] = ..., scheduler_id: _Optional[str] = ..., scheduler_addresses: _Optional[_Iterable[str]] = ..., requirements: _Optional[_Union[Requirements, _Mapping]] = ..., bid: _Optional[float] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., count: _Optional[int] = ..., offer_probability: _Optional[float] = ...) -> None: ...
 
 class Offer(_message.Message):
     __slots__ = ("offer_id", "request_id", "worker_id", "worker_addresses", "resources", "price", "expires_at", "executor", "samples_per_second", "success_rate", "active_leases", "capacity")
@@ -298,7 +306,7 @@ class NesterovConfig(_message.Message):
     def __init__(self, learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ...) -> None: ...
 
 class DilocoJobSpec(_message.Message):
-    __slots__ = ("model", "preprocessor", "dataset", "inner_optimizer", "outer_optimizer", "num_workers", "worker_requirements", "parameter_server_requirements", "worker_price", "parameter_server_price", "rounds", "samples_per_round", "min_batch_size", "max_batch_size", "delta_dtype", "quorum", "round_timeout_s", "selection_policy", "gpu_memory_per_sample_gb")
+    __slots__ = ("model", "preprocessor", "dataset", "inner_optimizer", "outer_optimizer", "num_workers", "worker_requirements", "parameter_server_requirements", "worker_price", "parameter_server_price", "rounds", "samples_per_round", "min_batch_size", "max_batch_size", "delta_dtype", "quorum", "round_timeout_s", "selection_policy", "gpu_memory_per_sample_gb", "delta_topk", "streaming_fragments")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PREPROCESSOR_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +326,8 @@ class DilocoJobSpec(_message.Message):
     ROUND_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SELECTION_POLICY_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_PER_SAMPLE_GB_FIELD_NUMBER: _ClassVar[int]
+    DELTA_TOPK_FIELD_NUMBER: _ClassVar[int]
+    STREAMING_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     model: ModelSpec
     preprocessor: PreprocessorSpec
     dataset: str
@@ -337,7 +347,9 @@ class DilocoJobSpec(_message.Message):
     round_timeout_s: float
     selection_policy: str
     gpu_memory_per_sample_gb: float
-    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., preprocessor: _Optional[_Union[PreprocessorSpec, _Mapping]] = ..., dataset: _Optional[str] = ..., inner_optimizer: _Optional[_Union[AdamWConfig, _Mapping]] = ..., outer_optimizer: _Optional[_Union[NesterovConfig, _Mapping]] = ..., num_workers: _Optional[int] = ..., worker_requirements: _Optional[_Union[Requirements, _Mapping]] = ..., parameter_server_requirements: _Optional[_Union[Requirements, _Mapping]] = ..., worker_price: _Optional[_Union[PriceRange, _Mapping]] = ..., parameter_server_price: _Optional[_Union[PriceRange, _Mapping]] = ..., rounds: _Optional[int] = ..., samples_per_round: _Optional[int] = ..., min_batch_size: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., delta_dtype: _Optional[_Union[DeltaDType, str]] = ..., quorum: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., selection_policy: _Optional[str] = ..., gpu_memory_per_sample_gb: _Optional[float] = ...) -> None: ...
+    delta_topk: float
+    streaming_fragments: int
+    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., preprocessor: _Optional[_Union[PreprocessorSpec, _Mapping]] = ..., dataset: _Optional[str] = ..., inner_optimizer: _Optional[_Union[AdamWConfig, _Mapping]] = ..., outer_optimizer: _Optional[_Union[NesterovConfig, _Mapping]] = ..., num_workers: _Optional[int] = ..., worker_requirements: _Optional[_Union[Requirements, _Mapping]] = ..., parameter_server_requirements: _Optional[_Union[Requirements, _Mapping]] = ..., worker_price: _Optional[_Union[PriceRange, _Mapping]] = ..., parameter_server_price: _Optional[_Union[PriceRange, _Mapping]] = ..., rounds: _Optional[int] = ..., samples_per_round: _Optional[int] = ..., min_batch_size: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., delta_dtype: _Optional[_Union[DeltaDType, str]] = ..., quorum: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., selection_policy: _Optional[str] = ..., gpu_memory_per_sample_gb: _Optional[float] = ..., delta_topk: _Optional[float] = ..., streaming_fragments: _Optional[int] = ...) -> None: ...
 
 class RetryPolicy(_message.Message):
     __slots__ = ("max_attempts", "backoff_base_s", "backoff_cap_s", "retry_on_timeout", "retry_on_worker_loss")
@@ -354,7 +366,7 @@ class RetryPolicy(_message.Message):
     def __init__(self, max_attempts: _Optional[int] = ..., backoff_base_s: _Optional[float] = ..., backoff_cap_s: _Optional[float] = ..., retry_on_timeout: _Optional[bool] = ..., retry_on_worker_loss: _Optional[bool] = ...) -> None: ...
 
 class TaskJobSpec(_message.Message):
-    __slots__ = ("command", "args", "env", "requirements", "price", "timeout_s", "retry", "completion_marker", "selection_policy", "gpus")
+    __slots__ = ("command", "args", "env", "requirements", "price", "timeout_s", "retry", "completion_marker", "selection_policy", "gpus", "files", "files_sha256", "files_size", "outputs")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +384,10 @@ class TaskJobSpec(_message.Message):
     COMPLETION_MARKER_FIELD_NUMBER: _ClassVar[int]
     SELECTION_POLICY_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    FILES_SHA256_FIELD_NUMBER: _ClassVar[int]
+    FILES_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     command: str
     args: _containers.RepeatedScalarFieldContainer[str]
     env: _containers.ScalarMap[str, str]
@@ -382,17 +398,59 @@ class TaskJobSpec(_message.Message):
     completion_marker: str
     selection_policy: str
     gpus: int
-    def __init__(self, command: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., requirements: _Optional[_Union[Requirements, _Mapping]] = ..., price: _Optional[_Union[PriceRange, _Mapping]] = ..., timeout_s: _Optional[float] = ..., retry: _Optional[_Union[RetryPolicy, _Mapping]] = ..., completion_marker: _Optional[str] = ..., selection_policy: _Optional[str] = ..., gpus: _Optional[int] = ...) -> None: ...
+    files: _containers.RepeatedScalarFieldContainer[str]
+    files_sha256: str
+    files_size: int
+    outputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, command: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., requirements: _Optional[_Union[Requirements, _Mapping]] = ..., price: _Optional[_Union[PriceRange, _Mapping]] = ..., timeout_s: _Optional[float] = ..., retry: _Optional[_Union[RetryPolicy, _Mapping]] = ..., completion_marker: _Optional[str] = ..., selection_policy: _Optional[str] = ..., gpus: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., files_sha256: _Optional[str] = ..., files_size: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class InferenceInput(_message.Message):
+    __slots__ = ("prompt", "answer")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    answer: str
+    def __init__(self, prompt: _Optional[str] = ..., answer: _Optional[str] = ...) -> None: ...
+
+class InferenceJobSpec(_message.Message):
+    __slots__ = ("model", "model_job", "model_bundle_sha256", "dataset", "inputs", "max_samples", "max_new_tokens", "batch_size", "requirements", "price", "timeout_s", "selection_policy")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_JOB_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BUNDLE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REQUIREMENTS_FIELD_NUMBER: _ClassVar[int]
+    PRICE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SELECTION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    model: ModelSpec
+    model_job: str
+    model_bundle_sha256: str
+    dataset: str
+    inputs: _containers.RepeatedCompositeFieldContainer[InferenceInput]
+    max_samples: int
+    max_new_tokens: int
+    batch_size: int
+    requirements: Requirements
+    price: PriceRange
+    timeout_s: float
+    selection_policy: str
+    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., model_job: _Optional[str] = ..., model_bundle_sha256: _Optional[str] = ..., dataset: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[InferenceInput, _Mapping]]] = ..., max_samples: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., batch_size: _Optional[int] = ..., requirements: _Optional[_Union[Requirements, _Mapping]] = ..., price: _Optional[_Union[PriceRange, _Mapping]] = ..., timeout_s: _Optional[float] = ..., selection_policy: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "diloco", "task")
+    __slots__ = ("name", "diloco", "task", "inference")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DILOCO_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     diloco: DilocoJobSpec
     task: TaskJobSpec
-    def __init__(self, name: _Optional[str] = ..., diloco: _Optional[_Union[DilocoJobSpec, _Mapping]] = ..., task: _Optional[_Union[TaskJobSpec, _Mapping]] = ...) -> None: ...
+    inference: InferenceJobSpec
+    def __init__(self, name: _Optional[str] = ..., diloco: _Optional[_Union[DilocoJobSpec, _Mapping]] = ..., task: _Optional[_Union[TaskJobSpec, _Mapping]] = ..., inference: _Optional[_Union[InferenceJobSpec, _Mapping]] = ...) -> None: ...
 
 class WorkerMetrics(_message.Message):
     __slots__ = ("worker_id", "samples_per_second", "samples", "loss", "batch_size")

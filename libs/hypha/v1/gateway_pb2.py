@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from hypha.v1 import common_pb2 as hypha_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hypha/v1/gateway.proto\x12\x08hypha.v1\x1a\x15hypha/v1/common.proto\"(\n\x05Hello\x12\x11\n\taddresses\x18\x01 \x03(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\x1a\n\tSubscribe\x12\r\n\x05topic\x18\x01 \x01(\t\"\x1c\n\x0bUnsubscribe\x12\r\n\x05topic\x18\x01 \x01(\t\"=\n\x07Publish\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x12\n\nmessage_id\x18\x03 \x01(\t\"M\n\x04Send\x12\x0f\n\x07to_peer\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x12\n\nmessage_id\x18\x03 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x04 \x01(\t\"\xf5\x01\n\x0b\x43lientFrame\x12 \n\x05hello\x18\x01 \x01(\x0b\x32\x0f.hypha.v1.HelloH\x00\x12(\n\tsubscribe\x18\x02 \x01(\x0b\x32\x13.hypha.v1.SubscribeH\x00\x12,\n\x0bunsubscribe\x18\x03 \x01(\x0b\x32\x15.hypha.v1.UnsubscribeH\x00\x12$\n\x07publish\x18\x04 \x01(\x0b\x32\x11.hypha.v1.PublishH\x00\x12\x1e\n\x04send\x18\x05 \x01(\x0b\x32\x0e.hypha.v1.SendH\x00\x12\x1e\n\x04ping\x18\x06 \x01(\x0b\x32\x0e.hypha.v1.PingH\x00\x42\x06\n\x04kind\"\x15\n\x04Ping\x12\r\n\x05nonce\x18\x01 \x01(\x04\".\n\x07Welcome\x12\x12\n\ngateway_id\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\"\x84\x01\n\x08\x44\x65livery\x12\x11\n\tfrom_peer\x18\x01 \x01(\t\x12!\n\tfrom_role\x18\x02 \x01(\x0e\x32\x0e.hypha.v1.Role\x12\r\n\x05topic\x18\x03 \x01(\t\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x12\n\nmessage_id\x18\x05 \x01(\t\x12\x0e\n\x06\x64irect\x18\x06 \x01(\x08\"V\n\x0cGatewayError\x12!\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x13.hypha.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x12\n\nmessage_id\x18\x03 \x01(\t\"\xac\x01\n\x0bServerFrame\x12$\n\x07welcome\x18\x01 \x01(\x0b\x32\x11.hypha.v1.WelcomeH\x00\x12&\n\x08\x64\x65livery\x18\x02 \x01(\x0b\x32\x12.hypha.v1.DeliveryH\x00\x12\'\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x16.hypha.v1.GatewayErrorH\x00\x12\x1e\n\x04pong\x18\x04 \x01(\x0b\x32\x0e.hypha.v1.PongH\x00\x42\x06\n\x04kind\"\x15\n\x04Pong\x12\r\n\x05nonce\x18\x01 \x01(\x04\"h\n\x0cPeerPresence\x12\x12\n\ngateway_id\x18\x01 \x01(\t\x12$\n\x08\x61ttached\x18\x02 \x03(\x0b\x32\x12.hypha.v1.PeerInfo\x12\x10\n\x08\x64\x65tached\x18\x03 \x03(\t\x12\x0c\n\x04\x66ull\x18\x04 \x01(\x08\"z\n\x07\x46orward\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\x16\n\x0eorigin_gateway\x18\x02 \x01(\t\x12\x0c\n\x04hops\x18\x03 \x01(\r\x12$\n\x08\x64\x65livery\x18\x04 \x01(\x0b\x32\x12.hypha.v1.Delivery\x12\x0f\n\x07to_peer\x18\x05 \x01(\t\"k\n\x0f\x46\x65\x64\x65rationFrame\x12*\n\x08presence\x18\x01 \x01(\x0b\x32\x16.hypha.v1.PeerPresenceH\x00\x12$\n\x07\x66orward\x18\x02 \x01(\x0b\x32\x11.hypha.v1.ForwardH\x00\x42\x06\n\x04kind\"\x12\n\x10ListPeersRequest\"6\n\x11ListPeersResponse\x12!\n\x05peers\x18\x01 \x03(\x0b\x32\x12.hypha.v1.PeerInfo\",\n\x0bRelayStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"\xb9\x01\n\nRelayFrame\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x04open\x18\x03 \x01(\tH\x00\x12\x11\n\x07message\x18\x04 \x01(\x0cH\x00\x12\x14\n\nhalf_close\x18\x05 \x01(\x08H\x00\x12\'\n\x06status\x18\x06 \x01(\x0b\x32\x15.hypha.v1.RelayStatusH\x00\x12\x10\n\x06\x63\x61ncel\x18\x07 \x01(\x08H\x00\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\x42\x06\n\x04kind*\x98\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x45RROR_CODE_PEER_UNKNOWN\x10\x01\x12\x1e\n\x1a\x45RROR_CODE_FRAME_TOO_LARGE\x10\x02\x12\x18\n\x14\x45RROR_CODE_BAD_FRAME\x10\x03\x12\x18\n\x14\x45RROR_CODE_FORBIDDEN\x10\x04\x32\xd2\x01\n\x07Gateway\x12;\n\x07\x43onnect\x12\x15.hypha.v1.ClientFrame\x1a\x15.hypha.v1.ServerFrame(\x01\x30\x01\x12\x44\n\x08\x46\x65\x64\x65rate\x12\x19.hypha.v1.FederationFrame\x1a\x19.hypha.v1.FederationFrame(\x01\x30\x01\x12\x44\n\tListPeers\x12\x1a.hypha.v1.ListPeersRequest\x1a\x1b.hypha.v1.ListPeersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hypha/v1/gateway.proto\x12\x08hypha.v1\x1a\x15hypha/v1/common.proto\"(\n\x05Hello\x12\x11\n\taddresses\x18\x01 \x03(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\x1a\n\tSubscribe\x12\r\n\x05topic\x18\x01 \x01(\t\"\x1c\n\x0bUnsubscribe\x12\r\n\x05topic\x18\x01 \x01(\t\"=\n\x07Publish\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x12\n\nmessage_id\x18\x03 \x01(\t\"M\n\x04Send\x12\x0f\n\x07to_peer\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x12\n\nmessage_id\x18\x03 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x04 \x01(\t\"\xf5\x01\n\x0b\x43lientFrame\x12 \n\x05hello\x18\x01 \x01(\x0b\x32\x0f.hypha.v1.HelloH\x00\x12(\n\tsubscribe\x18\x02 \x01(\x0b\x32\x13.hypha.v1.SubscribeH\x00\x12,\n\x0bunsubscribe\x18\x03 \x01(\x0b\x32\x15.hypha.v1.UnsubscribeH\x00\x12$\n\x07publish\x18\x04 \x01(\x0b\x32\x11.hypha.v1.PublishH\x00\x12\x1e\n\x04send\x18\x05 \x01(\x0b\x32\x0e.hypha.v1.SendH\x00\x12\x1e\n\x04ping\x18\x06 \x01(\x0b\x32\x0e.hypha.v1.PingH\x00\x42\x06\n\x04kind\"\x15\n\x04Ping\x12\r\n\x05nonce\x18\x01 \x01(\x04\".\n\x07Welcome\x12\x12\n\ngateway_id\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\"\xd9\x01\n\x08\x44\x65livery\x12\x11\n\tfrom_peer\x18\x01 \x01(\t\x12!\n\tfrom_role\x18\x02 \x01(\x0e\x32\x0e.hypha.v1.Role\x12\r\n\x05topic\x18\x03 \x01(\t\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x12\n\nmessage_id\x18\x05 \x01(\t\x12\x0e\n\x06\x64irect\x18\x06 \x01(\x08\x12\x18\n\x10\x66rom_cert_serial\x18\x07 \x01(\x0c\x12\x18\n\x10\x66rom_cert_issuer\x18\x08 \x01(\t\x12\x1f\n\x17\x66rom_cert_issuer_key_id\x18\t \x01(\x0c\"V\n\x0cGatewayError\x12!\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x13.hypha.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x12\n\nmessage_id\x18\x03 \x01(\t\"\xac\x01\n\x0bServerFrame\x12$\n\x07welcome\x18\x01 \x01(\x0b\x32\x11.hypha.v1.WelcomeH\x00\x12&\n\x08\x64\x65livery\x18\x02 \x01(\x0b\x32\x12.hypha.v1.DeliveryH\x00\x12\'\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x16.hypha.v1.GatewayErrorH\x00\x12\x1e\n\x04pong\x18\x04 \x01(\x0b\x32\x0e.hypha.v1.PongH\x00\x42\x06\n\x04kind\"\x15\n\x04Pong\x12\r\n\x05nonce\x18\x01 \x01(\x04\"h\n\x0cPeerPresence\x12\x12\n\ngateway_id\x18\x01 \x01(\t\x12$\n\x08\x61ttached\x18\x02 \x03(\x0b\x32\x12.hypha.v1.PeerInfo\x12\x10\n\x08\x64\x65tached\x18\x03 \x03(\t\x12\x0c\n\x04\x66ull\x18\x04 \x01(\x08\"z\n\x07\x46orward\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\x16\n\x0eorigin_gateway\x18\x02 \x01(\t\x12\x0c\n\x04hops\x18\x03 \x01(\r\x12$\n\x08\x64\x65livery\x18\x04 \x01(\x0b\x32\x12.hypha.v1.Delivery\x12\x0f\n\x07to_peer\x18\x05 \x01(\t\"N\n\x06\x42ounce\x12\x0f\n\x07to_peer\x18\x01 \x01(\t\x12%\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x16.hypha.v1.GatewayError\x12\x0c\n\x04hops\x18\x03 \x01(\r\"\x8f\x01\n\x0f\x46\x65\x64\x65rationFrame\x12*\n\x08presence\x18\x01 \x01(\x0b\x32\x16.hypha.v1.PeerPresenceH\x00\x12$\n\x07\x66orward\x18\x02 \x01(\x0b\x32\x11.hypha.v1.ForwardH\x00\x12\"\n\x06\x62ounce\x18\x03 \x01(\x0b\x32\x10.hypha.v1.BounceH\x00\x42\x06\n\x04kind\"\x12\n\x10ListPeersRequest\"6\n\x11ListPeersResponse\x12!\n\x05peers\x18\x01 \x03(\x0b\x32\x12.hypha.v1.PeerInfo\",\n\x0bRelayStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"\xb9\x01\n\nRelayFrame\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x04open\x18\x03 \x01(\tH\x00\x12\x11\n\x07message\x18\x04 \x01(\x0cH\x00\x12\x14\n\nhalf_close\x18\x05 \x01(\x08H\x00\x12\'\n\x06status\x18\x06 \x01(\x0b\x32\x15.hypha.v1.RelayStatusH\x00\x12\x10\n\x06\x63\x61ncel\x18\x07 \x01(\x08H\x00\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\x42\x06\n\x04kind*\x98\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x45RROR_CODE_PEER_UNKNOWN\x10\x01\x12\x1e\n\x1a\x45RROR_CODE_FRAME_TOO_LARGE\x10\x02\x12\x18\n\x14\x45RROR_CODE_BAD_FRAME\x10\x03\x12\x18\n\x14\x45RROR_CODE_FORBIDDEN\x10\x04\x32\xd2\x01\n\x07Gateway\x12;\n\x07\x43onnect\x12\x15.hypha.v1.ClientFrame\x1a\x15.hypha.v1.ServerFrame(\x01\x30\x01\x12\x44\n\x08\x46\x65\x64\x65rate\x12\x19.hypha.v1.FederationFrame\x1a\x19.hypha.v1.FederationFrame(\x01\x30\x01\x12\x44\n\tListPeers\x12\x1a.hypha.v1.ListPeersRequest\x1a\x1b.hypha.v1.ListPeersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hypha.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORCODE']._serialized_start=1691
-  _globals['_ERRORCODE']._serialized_end=1843
+  _globals['_ERRORCODE']._serialized_start=1893
+  _globals['_ERRORCODE']._serialized_end=2045
   _globals['_HELLO']._serialized_start=59
   _globals['_HELLO']._serialized_end=99
   _globals['_SUBSCRIBE']._serialized_start=101
@@ -51,27 +51,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WELCOME']._serialized_start=572
   _globals['_WELCOME']._serialized_end=618
   _globals['_DELIVERY']._serialized_start=621
-  _globals['_DELIVERY']._serialized_end=753
-  _globals['_GATEWAYERROR']._serialized_start=755
-  _globals['_GATEWAYERROR']._serialized_end=841
-  _globals['_SERVERFRAME']._serialized_start=844
-  _globals['_SERVERFRAME']._serialized_end=1016
-  _globals['_PONG']._serialized_start=1018
-  _globals['_PONG']._serialized_end=1039
-  _globals['_PEERPRESENCE']._serialized_start=1041
-  _globals['_PEERPRESENCE']._serialized_end=1145
-  _globals['_FORWARD']._serialized_start=1147
-  _globals['_FORWARD']._serialized_end=1269
-  _globals['_FEDERATIONFRAME']._serialized_start=1271
-  _globals['_FEDERATIONFRAME']._serialized_end=1378
-  _globals['_LISTPEERSREQUEST']._serialized_start=1380
-  _globals['_LISTPEERSREQUEST']._serialized_end=1398
-  _globals['_LISTPEERSRESPONSE']._serialized_start=1400
-  _globals['_LISTPEERSRESPONSE']._serialized_end=1454
-  _globals['_RELAYSTATUS']._serialized_start=1456
-  _globals['_RELAYSTATUS']._serialized_end=1500
-  _globals['_RELAYFRAME']._serialized_start=1503
-  _globals['_RELAYFRAME']._serialized_end=1688
-  _globals['_GATEWAY']._serialized_start=1846
-  _globals['_GATEWAY']._serialized_end=2056
+  _globals['_DELIVERY']._serialized_end=838
+  _globals['_GATEWAYERROR']._serialized_start=840
+  _globals['_GATEWAYERROR']._serialized_end=926
+  _globals['_SERVERFRAME']._serialized_start=929
+  _globals['_SERVERFRAME']._serialized_end=1101
+  _globals['_PONG']._serialized_start=1103
+  _globals['_PONG']._serialized_end=1124
+  _globals['_PEERPRESENCE']._serialized_start=1126
+  _globals['_PEERPRESENCE']._serialized_end=1230
+  _globals['_FORWARD']._serialized_start=1232
+  _globals['_FORWARD']._serialized_end=1354
+  _globals['_BOUNCE']._serialized_start=1356
+  _globals['_BOUNCE']._serialized_end=1434
+  _globals['_FEDERATIONFRAME']._serialized_start=1437
+  _globals['_FEDERATIONFRAME']._serialized_end=1580
+  _globals['_LISTPEERSREQUEST']._serialized_start=1582
+  _globals['_LISTPEERSREQUEST']._serialized_end=1600
+  _globals['_LISTPEERSRESPONSE']._serialized_start=1602
+  _globals['_LISTPEERSRESPONSE']._serialized_end=1656
+  _globals['_RELAYSTATUS']._serialized_start=1658
+  _globals['_RELAYSTATUS']._serialized_end=1702
+  _globals['_RELAYFRAME']._serialized_start=1705
+  _globals['_RELAYFRAME']._serialized_end=1890
+  _globals['_GATEWAY']._serialized_start=2048
+  _globals['_GATEWAY']._serialized_end=2258
 # @@protoc_insertion_point(module_scope)

@@ -94,20 +94,26 @@ class Welcome(_message.Message):
     def __init__(self, gateway_id: _Optional[str] = ..., peer_id: _Optional[str] = ...) -> None: ...
 
 class Delivery(_message.Message):
-    __slots__ = ("from_peer", "from_role", "topic", "payload", "message_id", "direct")
+    __slots__ = ("from_peer", "from_role", "topic", "payload", "message_id", "direct", "from_cert_serial", "from_cert_issuer", "from_cert_issuer_key_id")
     FROM_PEER_FIELD_NUMBER: _ClassVar[int]
     FROM_ROLE_FIELD_NUMBER: _ClassVar[int]
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
+    FROM_CERT_SERIAL_FIELD_NUMBER: _ClassVar[int]
+    FROM_CERT_ISSUER_FIELD_NUMBER: _ClassVar[int]
+    FROM_CERT_ISSUER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
     from_peer: str
     from_role: _common_pb2.Role
     topic: str
     payload: bytes
     message_id: str
     direct: bool
-    def __init__(self, from_peer: _Optional[str] = ..., from_role: _Optional[_Union[_common_pb2.Role, str]] = ..., topic: _Optional[str] = ..., payload: _Optional[bytes] = ..., message_id: _Optional[str] = ..., direct: _Optional[bool] = ...) -> None: ...
+    from_cert_serial: bytes
+    from_cert_issuer: str
+    from_cert_issuer_key_id: bytes
+    def __init__(self, from_peer: _Optional[str] = ..., from_role: _Optional[_Union[_common_pb2.Role, str]] = ..., topic: _Optional[str] = ..., payload: _Optional[bytes] = ..., message_id: _Optional[str] = ..., direct: _Optional[bool] = ..., from_cert_serial: _Optional[bytes] = ..., from_cert_issuer: _Optional[str] = ..., from_cert_issuer_key_id: _Optional[bytes] = ...) -> None: ...
 
 class GatewayError(_message.Message):
     __slots__ = ("code", "message", "message_id")
@@ -163,13 +169,25 @@ class Forward(_message.Message):
     to_peer: str
     def __init__(self, message_id: _Optional[str] = ..., origin_gateway: _Optional[str] = ..., hops: _Optional[int] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ..., to_peer: _Optional[str] = ...) -> None: ...
 
+class Bounce(_message.Message):
+    __slots__ = ("to_peer", "error", "hops")
+    TO_PEER_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    HOPS_FIELD_NUMBER: _ClassVar[int]
+    to_peer: str
+    error: GatewayError
+    hops: int
+    def __init__(self, to_peer: _Optional[str] = ..., error: _Optional[_Union[GatewayError, _Mapping]] = ..., hops: _Optional[int] = ...) -> None: ...
+
 class FederationFrame(_message.Message):
-    __slots__ = ("presence", "forward")
+    __slots__ = ("presence", "forward", "bounce")
     PRESENCE_FIELD_NUMBER: _ClassVar[int]
     FORWARD_FIELD_NUMBER: _ClassVar[int]
+    BOUNCE_FIELD_NUMBER: _ClassVar[int]
     presence: PeerPresence
     forward: Forward
-    def __init__(self, presence: _Optional[_Union[PeerPresence, _Mapping]] = ..., forward: _Optional[_Union[Forward, _Mapping]] = ...) -> None: ...
+    bounce: Bounce
+    def __init__(self, presence: _Optional[_Union[PeerPresence, _Mapping]] = ..., forward: _Optional[_Union[Forward, _Mapping]] = ..., bounce: _Optional[_Union[Bounce, _Mapping]] = ...) -> None: ...
 
 class ListPeersRequest(_message.Message):
     __slots__ = ()

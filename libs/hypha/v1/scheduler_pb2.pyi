@@ -40,12 +40,14 @@ EXECUTION_STATE_REPORT_CANCELLED: ExecutionStateReport
 EXECUTION_STATE_REPORT_TIMED_OUT: ExecutionStateReport
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("spec", "toml")
+    __slots__ = ("spec", "toml", "files_bundle")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     TOML_FIELD_NUMBER: _ClassVar[int]
+    FILES_BUNDLE_FIELD_NUMBER: _ClassVar[int]
     spec: _common_pb2.JobSpec
     toml: str
-    def __init__(self, spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., toml: _Optional[str] = ...) -> None: ...
+    files_bundle: bytes
+    def __init__(self, spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., toml: _Optional[str] = ..., files_bundle: _Optional[bytes] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("job_id", "spec", "state", "reason", "created_at", "updated_at", "round", "rounds", "loss", "workers", "attempt", "exit_code", "submitted_by")
@@ -132,7 +134,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerView(_message.Message):
-    __slots__ = ("peer", "capacity", "leased", "leases", "healthy", "samples_per_second", "job_id")
+    __slots__ = ("peer", "capacity", "leased", "leases", "healthy", "samples_per_second", "job_id", "last_seen")
     PEER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     LEASED_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +142,7 @@ class WorkerView(_message.Message):
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
     peer: _common_pb2.PeerInfo
     capacity: _common_pb2.Resources
     leased: _common_pb2.Resources
@@ -147,7 +150,8 @@ class WorkerView(_message.Message):
     healthy: bool
     samples_per_second: float
     job_id: str
-    def __init__(self, peer: _Optional[_Union[_common_pb2.PeerInfo, _Mapping]] = ..., capacity: _Optional[_Union[_common_pb2.Resources, _Mapping]] = ..., leased: _Optional[_Union[_common_pb2.Resources, _Mapping]] = ..., leases: _Optional[_Iterable[_Union[_common_pb2.Lease, _Mapping]]] = ..., healthy: _Optional[bool] = ..., samples_per_second: _Optional[float] = ..., job_id: _Optional[str] = ...) -> None: ...
+    last_seen: _timestamp_pb2.Timestamp
+    def __init__(self, peer: _Optional[_Union[_common_pb2.PeerInfo, _Mapping]] = ..., capacity: _Optional[_Union[_common_pb2.Resources, _Mapping]] = ..., leased: _Optional[_Union[_common_pb2.Resources, _Mapping]] = ..., leases: _Optional[_Iterable[_Union[_common_pb2.Lease, _Mapping]]] = ..., healthy: _Optional[bool] = ..., samples_per_second: _Optional[float] = ..., job_id: _Optional[str] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)
@@ -164,20 +168,24 @@ class GetLogsRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class LogLine(_message.Message):
-    __slots__ = ("job_id", "stream", "line", "at", "worker_id", "attempt")
+    __slots__ = ("job_id", "stream", "line", "at", "worker_id", "attempt", "worker_name", "executor")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     LINE_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     stream: str
     line: str
     at: _timestamp_pb2.Timestamp
     worker_id: str
     attempt: int
-    def __init__(self, job_id: _Optional[str] = ..., stream: _Optional[str] = ..., line: _Optional[str] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+    worker_name: str
+    executor: str
+    def __init__(self, job_id: _Optional[str] = ..., stream: _Optional[str] = ..., line: _Optional[str] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempt: _Optional[int] = ..., worker_name: _Optional[str] = ..., executor: _Optional[str] = ...) -> None: ...
 
 class FetchResultRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -192,6 +200,40 @@ class FileChunk(_message.Message):
     path: str
     chunk: _common_pb2.Chunk
     def __init__(self, path: _Optional[str] = ..., chunk: _Optional[_Union[_common_pb2.Chunk, _Mapping]] = ...) -> None: ...
+
+class GetJobMetricsRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ScaleJobRequest(_message.Message):
+    __slots__ = ("job_id", "workers")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    workers: int
+    def __init__(self, job_id: _Optional[str] = ..., workers: _Optional[int] = ...) -> None: ...
+
+class MetricPoint(_message.Message):
+    __slots__ = ("round", "worker_id", "name", "value", "at")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    worker_id: str
+    name: str
+    value: float
+    at: _timestamp_pb2.Timestamp
+    def __init__(self, round: _Optional[int] = ..., worker_id: _Optional[str] = ..., name: _Optional[str] = ..., value: _Optional[float] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class JobMetrics(_message.Message):
+    __slots__ = ("points",)
+    POINTS_FIELD_NUMBER: _ClassVar[int]
+    points: _containers.RepeatedCompositeFieldContainer[MetricPoint]
+    def __init__(self, points: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ...) -> None: ...
 
 class SubmitOfferResponse(_message.Message):
     __slots__ = ("received",)

@@ -76,6 +76,16 @@ class SchedulerStub:
                 request_serializer=hypha_dot_v1_dot_scheduler__pb2.FetchResultRequest.SerializeToString,
                 response_deserializer=hypha_dot_v1_dot_scheduler__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.GetJobMetrics = channel.unary_unary(
+                '/hypha.v1.Scheduler/GetJobMetrics',
+                request_serializer=hypha_dot_v1_dot_scheduler__pb2.GetJobMetricsRequest.SerializeToString,
+                response_deserializer=hypha_dot_v1_dot_scheduler__pb2.JobMetrics.FromString,
+                _registered_method=True)
+        self.ScaleJob = channel.unary_unary(
+                '/hypha.v1.Scheduler/ScaleJob',
+                request_serializer=hypha_dot_v1_dot_scheduler__pb2.ScaleJobRequest.SerializeToString,
+                response_deserializer=hypha_dot_v1_dot_scheduler__pb2.Job.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -130,6 +140,19 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetJobMetrics(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScaleJob(self, request, context):
+        """Grow or shrink a running DiLoCo job to `workers` trainers (docs/fault-tolerance.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -172,6 +195,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.FetchResult,
                     request_deserializer=hypha_dot_v1_dot_scheduler__pb2.FetchResultRequest.FromString,
                     response_serializer=hypha_dot_v1_dot_scheduler__pb2.FileChunk.SerializeToString,
+            ),
+            'GetJobMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobMetrics,
+                    request_deserializer=hypha_dot_v1_dot_scheduler__pb2.GetJobMetricsRequest.FromString,
+                    response_serializer=hypha_dot_v1_dot_scheduler__pb2.JobMetrics.SerializeToString,
+            ),
+            'ScaleJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScaleJob,
+                    request_deserializer=hypha_dot_v1_dot_scheduler__pb2.ScaleJobRequest.FromString,
+                    response_serializer=hypha_dot_v1_dot_scheduler__pb2.Job.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -391,6 +424,60 @@ class Scheduler:
             '/hypha.v1.Scheduler/FetchResult',
             hypha_dot_v1_dot_scheduler__pb2.FetchResultRequest.SerializeToString,
             hypha_dot_v1_dot_scheduler__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hypha.v1.Scheduler/GetJobMetrics',
+            hypha_dot_v1_dot_scheduler__pb2.GetJobMetricsRequest.SerializeToString,
+            hypha_dot_v1_dot_scheduler__pb2.JobMetrics.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScaleJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hypha.v1.Scheduler/ScaleJob',
+            hypha_dot_v1_dot_scheduler__pb2.ScaleJobRequest.SerializeToString,
+            hypha_dot_v1_dot_scheduler__pb2.Job.FromString,
             options,
             channel_credentials,
             insecure,

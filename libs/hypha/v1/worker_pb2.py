@@ -26,15 +26,15 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from hypha.v1 import common_pb2 as hypha_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15hypha/v1/worker.proto\x12\x08hypha.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15hypha/v1/common.proto\";\n\x12\x41\x63\x63\x65ptOfferRequest\x12\x10\n\x08offer_id\x18\x01 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\"\'\n\x13ReleaseOfferRequest\x12\x10\n\x08offer_id\x18\x01 \x01(\t\"(\n\x14ReleaseOfferResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\":\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xc4\x02\n\x12\x44ispatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12(\n\x08\x65xecutor\x18\x03 \x01(\x0e\x32\x16.hypha.v1.ExecutorKind\x12\x1f\n\x04spec\x18\x04 \x01(\x0b\x32\x11.hypha.v1.JobSpec\x12\x1b\n\x13parameter_server_id\x18\x05 \x01(\t\x12\"\n\x1aparameter_server_addresses\x18\x06 \x03(\t\x12\x13\n\x0btrainer_ids\x18\x07 \x03(\t\x12\x1b\n\x13scheduler_addresses\x18\x08 \x03(\t\x12\x12\n\nbatch_size\x18\t \x01(\r\x12\x0f\n\x07\x61ttempt\x18\n \x01(\r\x12\x13\n\x0bstart_round\x18\x0b \x01(\r\x12\x14\n\x0c\x63uda_devices\x18\x0c \x03(\t\"+\n\x13\x44ispatchJobResponse\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\"8\n\x16\x43\x61ncelExecutionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x11\x43\x61ncelJobResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"%\n\x13GetJobStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xcf\x01\n\x0fWorkerJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.hypha.v1.ExecutionState\x12\x11\n\texit_code\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12.\n\nstarted_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"k\n\x0bTensorChunk\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0f\n\x07samples\x18\x04 \x01(\x04\x12\x1e\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\x0f.hypha.v1.Chunk\"8\n\x13PushTensorsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"A\n\x12PullTensorsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\"\x18\n\x16GetWorkerStatusRequest\"\x8a\x02\n\x0cWorkerStatus\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12%\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\x13.hypha.v1.Resources\x12!\n\x04\x66ree\x18\x04 \x01(\x0b\x32\x13.hypha.v1.Resources\x12\x1f\n\x06leases\x18\x05 \x03(\x0b\x32\x0f.hypha.v1.Lease\x12\'\n\x04jobs\x18\x06 \x03(\x0b\x32\x19.hypha.v1.WorkerJobStatus\x12)\n\texecutors\x18\x07 \x03(\x0e\x32\x16.hypha.v1.ExecutorKind\x12\r\n\x05price\x18\x08 \x01(\x01\x12\r\n\x05\x66loor\x18\t \x01(\x01*\xe5\x01\n\x0e\x45xecutionState\x12\x1f\n\x1b\x45XECUTION_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x45XECUTION_STATE_STARTING\x10\x01\x12\x1b\n\x17\x45XECUTION_STATE_RUNNING\x10\x02\x12\x1d\n\x19\x45XECUTION_STATE_SUCCEEDED\x10\x03\x12\x1a\n\x16\x45XECUTION_STATE_FAILED\x10\x04\x12\x1d\n\x19\x45XECUTION_STATE_CANCELLED\x10\x05\x12\x1d\n\x19\x45XECUTION_STATE_TIMED_OUT\x10\x06\x32\xd6\x05\n\x06Worker\x12<\n\x0b\x41\x63\x63\x65ptOffer\x12\x1c.hypha.v1.AcceptOfferRequest\x1a\x0f.hypha.v1.Lease\x12M\n\x0cReleaseOffer\x12\x1d.hypha.v1.ReleaseOfferRequest\x1a\x1e.hypha.v1.ReleaseOfferResponse\x12:\n\nRenewLease\x12\x1b.hypha.v1.RenewLeaseRequest\x1a\x0f.hypha.v1.Lease\x12M\n\x0cReleaseLease\x12\x1d.hypha.v1.ReleaseLeaseRequest\x1a\x1e.hypha.v1.ReleaseLeaseResponse\x12J\n\x0b\x44ispatchJob\x12\x1c.hypha.v1.DispatchJobRequest\x1a\x1d.hypha.v1.DispatchJobResponse\x12J\n\tCancelJob\x12 .hypha.v1.CancelExecutionRequest\x1a\x1b.hypha.v1.CancelJobResponse\x12H\n\x0cGetJobStatus\x12\x1d.hypha.v1.GetJobStatusRequest\x1a\x19.hypha.v1.WorkerJobStatus\x12\x45\n\x0bPushTensors\x12\x15.hypha.v1.TensorChunk\x1a\x1d.hypha.v1.PushTensorsResponse(\x01\x12\x44\n\x0bPullTensors\x12\x1c.hypha.v1.PullTensorsRequest\x1a\x15.hypha.v1.TensorChunk0\x01\x12\x45\n\tGetStatus\x12 .hypha.v1.GetWorkerStatusRequest\x1a\x16.hypha.v1.WorkerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15hypha/v1/worker.proto\x12\x08hypha.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15hypha/v1/common.proto\";\n\x12\x41\x63\x63\x65ptOfferRequest\x12\x10\n\x08offer_id\x18\x01 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\"\'\n\x13ReleaseOfferRequest\x12\x10\n\x08offer_id\x18\x01 \x01(\t\"(\n\x14ReleaseOfferResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\":\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xda\x02\n\x12\x44ispatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12(\n\x08\x65xecutor\x18\x03 \x01(\x0e\x32\x16.hypha.v1.ExecutorKind\x12\x1f\n\x04spec\x18\x04 \x01(\x0b\x32\x11.hypha.v1.JobSpec\x12\x1b\n\x13parameter_server_id\x18\x05 \x01(\t\x12\"\n\x1aparameter_server_addresses\x18\x06 \x03(\t\x12\x13\n\x0btrainer_ids\x18\x07 \x03(\t\x12\x1b\n\x13scheduler_addresses\x18\x08 \x03(\t\x12\x12\n\nbatch_size\x18\t \x01(\r\x12\x0f\n\x07\x61ttempt\x18\n \x01(\r\x12\x13\n\x0bstart_round\x18\x0b \x01(\r\x12\x14\n\x0c\x63uda_devices\x18\x0c \x03(\t\x12\x14\n\x0c\x66iles_bundle\x18\r \x01(\x0c\"+\n\x13\x44ispatchJobResponse\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\"8\n\x16\x43\x61ncelExecutionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x11\x43\x61ncelJobResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"%\n\x13GetJobStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xcf\x01\n\x0fWorkerJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.hypha.v1.ExecutionState\x12\x11\n\texit_code\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12.\n\nstarted_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"k\n\x0bTensorChunk\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0f\n\x07samples\x18\x04 \x01(\x04\x12\x1e\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\x0f.hypha.v1.Chunk\"8\n\x13PushTensorsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"A\n\x12PullTensorsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\"\x18\n\x16GetWorkerStatusRequest\"\x8a\x02\n\x0cWorkerStatus\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12%\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\x13.hypha.v1.Resources\x12!\n\x04\x66ree\x18\x04 \x01(\x0b\x32\x13.hypha.v1.Resources\x12\x1f\n\x06leases\x18\x05 \x03(\x0b\x32\x0f.hypha.v1.Lease\x12\'\n\x04jobs\x18\x06 \x03(\x0b\x32\x19.hypha.v1.WorkerJobStatus\x12)\n\texecutors\x18\x07 \x03(\x0e\x32\x16.hypha.v1.ExecutorKind\x12\r\n\x05price\x18\x08 \x01(\x01\x12\r\n\x05\x66loor\x18\t \x01(\x01*\xe5\x01\n\x0e\x45xecutionState\x12\x1f\n\x1b\x45XECUTION_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x45XECUTION_STATE_STARTING\x10\x01\x12\x1b\n\x17\x45XECUTION_STATE_RUNNING\x10\x02\x12\x1d\n\x19\x45XECUTION_STATE_SUCCEEDED\x10\x03\x12\x1a\n\x16\x45XECUTION_STATE_FAILED\x10\x04\x12\x1d\n\x19\x45XECUTION_STATE_CANCELLED\x10\x05\x12\x1d\n\x19\x45XECUTION_STATE_TIMED_OUT\x10\x06\x32\xd6\x05\n\x06Worker\x12<\n\x0b\x41\x63\x63\x65ptOffer\x12\x1c.hypha.v1.AcceptOfferRequest\x1a\x0f.hypha.v1.Lease\x12M\n\x0cReleaseOffer\x12\x1d.hypha.v1.ReleaseOfferRequest\x1a\x1e.hypha.v1.ReleaseOfferResponse\x12:\n\nRenewLease\x12\x1b.hypha.v1.RenewLeaseRequest\x1a\x0f.hypha.v1.Lease\x12M\n\x0cReleaseLease\x12\x1d.hypha.v1.ReleaseLeaseRequest\x1a\x1e.hypha.v1.ReleaseLeaseResponse\x12J\n\x0b\x44ispatchJob\x12\x1c.hypha.v1.DispatchJobRequest\x1a\x1d.hypha.v1.DispatchJobResponse\x12J\n\tCancelJob\x12 .hypha.v1.CancelExecutionRequest\x1a\x1b.hypha.v1.CancelJobResponse\x12H\n\x0cGetJobStatus\x12\x1d.hypha.v1.GetJobStatusRequest\x1a\x19.hypha.v1.WorkerJobStatus\x12\x45\n\x0bPushTensors\x12\x15.hypha.v1.TensorChunk\x1a\x1d.hypha.v1.PushTensorsResponse(\x01\x12\x44\n\x0bPullTensors\x12\x1c.hypha.v1.PullTensorsRequest\x1a\x15.hypha.v1.TensorChunk0\x01\x12\x45\n\tGetStatus\x12 .hypha.v1.GetWorkerStatusRequest\x1a\x16.hypha.v1.WorkerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hypha.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EXECUTIONSTATE']._serialized_start=1627
-  _globals['_EXECUTIONSTATE']._serialized_end=1856
+  _globals['_EXECUTIONSTATE']._serialized_start=1649
+  _globals['_EXECUTIONSTATE']._serialized_end=1878
   _globals['_ACCEPTOFFERREQUEST']._serialized_start=91
   _globals['_ACCEPTOFFERREQUEST']._serialized_end=150
   _globals['_RELEASEOFFERREQUEST']._serialized_start=152
@@ -48,27 +48,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASELEASERESPONSE']._serialized_start=336
   _globals['_RELEASELEASERESPONSE']._serialized_end=376
   _globals['_DISPATCHJOBREQUEST']._serialized_start=379
-  _globals['_DISPATCHJOBREQUEST']._serialized_end=703
-  _globals['_DISPATCHJOBRESPONSE']._serialized_start=705
-  _globals['_DISPATCHJOBRESPONSE']._serialized_end=748
-  _globals['_CANCELEXECUTIONREQUEST']._serialized_start=750
-  _globals['_CANCELEXECUTIONREQUEST']._serialized_end=806
-  _globals['_CANCELJOBRESPONSE']._serialized_start=808
-  _globals['_CANCELJOBRESPONSE']._serialized_end=846
-  _globals['_GETJOBSTATUSREQUEST']._serialized_start=848
-  _globals['_GETJOBSTATUSREQUEST']._serialized_end=885
-  _globals['_WORKERJOBSTATUS']._serialized_start=888
-  _globals['_WORKERJOBSTATUS']._serialized_end=1095
-  _globals['_TENSORCHUNK']._serialized_start=1097
-  _globals['_TENSORCHUNK']._serialized_end=1204
-  _globals['_PUSHTENSORSRESPONSE']._serialized_start=1206
-  _globals['_PUSHTENSORSRESPONSE']._serialized_end=1262
-  _globals['_PULLTENSORSREQUEST']._serialized_start=1264
-  _globals['_PULLTENSORSREQUEST']._serialized_end=1329
-  _globals['_GETWORKERSTATUSREQUEST']._serialized_start=1331
-  _globals['_GETWORKERSTATUSREQUEST']._serialized_end=1355
-  _globals['_WORKERSTATUS']._serialized_start=1358
-  _globals['_WORKERSTATUS']._serialized_end=1624
-  _globals['_WORKER']._serialized_start=1859
-  _globals['_WORKER']._serialized_end=2585
+  _globals['_DISPATCHJOBREQUEST']._serialized_end=725
+  _globals['_DISPATCHJOBRESPONSE']._serialized_start=727
+  _globals['_DISPATCHJOBRESPONSE']._serialized_end=770
+  _globals['_CANCELEXECUTIONREQUEST']._serialized_start=772
+  _globals['_CANCELEXECUTIONREQUEST']._serialized_end=828
+  _globals['_CANCELJOBRESPONSE']._serialized_start=830
+  _globals['_CANCELJOBRESPONSE']._serialized_end=868
+  _globals['_GETJOBSTATUSREQUEST']._serialized_start=870
+  _globals['_GETJOBSTATUSREQUEST']._serialized_end=907
+  _globals['_WORKERJOBSTATUS']._serialized_start=910
+  _globals['_WORKERJOBSTATUS']._serialized_end=1117
+  _globals['_TENSORCHUNK']._serialized_start=1119
+  _globals['_TENSORCHUNK']._serialized_end=1226
+  _globals['_PUSHTENSORSRESPONSE']._serialized_start=1228
+  _globals['_PUSHTENSORSRESPONSE']._serialized_end=1284
+  _globals['_PULLTENSORSREQUEST']._serialized_start=1286
+  _globals['_PULLTENSORSREQUEST']._serialized_end=1351
+  _globals['_GETWORKERSTATUSREQUEST']._serialized_start=1353
+  _globals['_GETWORKERSTATUSREQUEST']._serialized_end=1377
+  _globals['_WORKERSTATUS']._serialized_start=1380
+  _globals['_WORKERSTATUS']._serialized_end=1646
+  _globals['_WORKER']._serialized_start=1881
+  _globals['_WORKER']._serialized_end=2607
 # @@protoc_insertion_point(module_scope)

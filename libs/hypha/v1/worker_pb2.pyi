@@ -69,7 +69,7 @@ class ReleaseLeaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class DispatchJobRequest(_message.Message):
-    __slots__ = ("job_id", "lease_id", "executor", "spec", "parameter_server_id", "parameter_server_addresses", "trainer_ids", "scheduler_addresses", "batch_size", "attempt", "start_round", "cuda_devices")
+    __slots__ = ("job_id", "lease_id", "executor", "spec", "parameter_server_id", "parameter_server_addresses", "trainer_ids", "scheduler_addresses", "batch_size", "attempt", "start_round", "cuda_devices", "files_bundle")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class DispatchJobRequest(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     START_ROUND_FIELD_NUMBER: _ClassVar[int]
     CUDA_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    FILES_BUNDLE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     lease_id: str
     executor: _common_pb2.ExecutorKind
@@ -94,7 +95,8 @@ class DispatchJobRequest(_message.Message):
     attempt: int
     start_round: int
     cuda_devices: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., executor: _Optional[_Union[_common_pb2.ExecutorKind, str]] = ..., spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., parameter_server_id: _Optional[str] = ..., parameter_server_addresses: _Optional[_Iterable[str]] = ..., trainer_ids: _Optional[_Iterable[str]] = ..., scheduler_addresses: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., attempt: _Optional[int] = ..., start_round: _Optional[int] = ..., cuda_devices: _Optional[_Iterable[str]] = ...) -> None: ...
+    files_bundle: bytes
+    def __init__(self, job_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., executor: _Optional[_Union[_common_pb2.ExecutorKind, str]] = ..., spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., parameter_server_id: _Optional[str] = ..., parameter_server_addresses: _Optional[_Iterable[str]] = ..., trainer_ids: _Optional[_Iterable[str]] = ..., scheduler_addresses: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., attempt: _Optional[int] = ..., start_round: _Optional[int] = ..., cuda_devices: _Optional[_Iterable[str]] = ..., files_bundle: _Optional[bytes] = ...) -> None: ...
 
 class DispatchJobResponse(_message.Message):
     __slots__ = ("execution_id",)

@@ -1,0 +1,139 @@
+"""Inference job files: ``[job] kind = "inference"`` -> ``hypha.v1.InferenceJobSpec``.
+
+Kept apart from ``hypha.jobfile`` (which reads the other kinds and calls in
+here) so each stays one screenful per kind; the same typed getters, the same
+errors named by dotted key::
+
+    [job]
+    kind = "inference"
+    name = "sums"
+    model_job = "JOB_ID"                 # a SUCCEEDED job's result (e.g. a DiLoCo job's model)
+    # or [job.model] repository = "owner/repo" / local_path = "/models/x", type = "causal-lm"
+    dataset = "arithmetic"               # by name, through the DHT like DiLoCo
+    # or inputs = [{ prompt = "012+035=", answer = "74" }]   (causal-lm; answer optional)
+    max_samples = 0                      # 0: every sample
+    max_new_tokens = 0                   # greedy tokens per prompt; 0: the answer's length, else 16
+    batch_size = 64
+    timeout_s = 600                      # 0: none
+    resources = { cpu = 1, memory_gb = 2 }
+    price = { bid = 1.0, max = 2.0 }
+    selection_policy = ""
+
+Exactly one model source (``model_job``, or a ``[job.model]`` with a
+repository or local path) and exactly one data source (``dataset`` or
+``inputs``). Inline inputs are prompts, so they need a causal LM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hypha.errors import InvalidArgumentError
+from hypha.market.resources import ExecutorKind
+from hypha.v1 import common_pb2
+
+#: Largest number of inline inputs (the job file itself is capped too).
+MAX_INLINE_INPUTS = 10_000
+#: Largest ``max_new_tokens``.
+MAX_NEW_TOKENS = 4096
+DEFAULT_BATCH_SIZE = 64
+
+
+def _jobfile() -> Any:
+    from hypha import jobfile  # imported here: hypha.jobfile calls into this module
+
+    return jobfile
+
+
+def inference_table(table: Any) -> common_pb2.InferenceJobSpec:
+    """Read the inference keys of a ``[job]`` table (``hypha.jobfile._Table``)."""
+    jf = _jobfile()
+    spec = common_pb2.InferenceJobSpec(
+        model_job=table.string("model_job"),
+        dataset=table.string("dataset"),
+        max_samples=table.integer("max_samples", 0),
+        max_new_tokens=table.integer("max_new_tokens", 0),
+        batch_size=table.integer("batch_size", DEFAULT_BATCH_SIZE),
+        timeout_s=table.number("timeout_s", 0.0),
+        selection_policy=table.string("selection_policy"),
+    )
+    model = table.table("model")
+    if model is not None:
+        spec.model.CopyFrom(jf._model(model))
+    else:
+        spec.model.type = common_pb2.MODEL_TYPE_CAUSAL_LM
+    inputs = table.raw("inputs")
+    if inputs is not None:
+        if not isinstance(inputs, list):
+            raise jf._bad(table.key("inputs"), "must be a list of tables {prompt, answer}")
+        for i, item in enumerate(inputs):
+            entry = jf._Table(item, f"{table.key('inputs')}[{i}]")
+            spec.inputs.add(prompt=entry.string("prompt", required=True), answer=entry.string("answer"))
+            entry.done()
+    if table.has("resources"):
+        spec.requirements.CopyFrom(
+            jf._requirements(table.raw("resources"), table.key("resources"), ExecutorKind.INFERENCE)
+        )
+    spec.requirements.executor = common_pb2.EXECUTOR_KIND_INFERENCE
+    spec.price.CopyFrom(jf._price(table.table("price")))
+    return spec
+
+
+def inference_defaults(spec: common_pb2.InferenceJobSpec) -> None:
+    """Fill unset (zero) fields of a structured inference spec."""
+    spec.requirements.executor = common_pb2.EXECUTOR_KIND_INFERENCE
+    spec.model.type = spec.model.type or common_pb2.MODEL_TYPE_CAUSAL_LM
+    spec.batch_size = spec.batch_size or DEFAULT_BATCH_SIZE
+    spec.model_bundle_sha256 = ""  # the scheduler sets it at dispatch, never a submitter
+
+
+def inference_key(path: str) -> Callable[[str], str]:
+    def key(field: str) -> str:
+        if field.startswith("requirements"):
+            return f"{path}.resources"
+        return f"{path}.{field}"
+
+    return key
+
+
+def check_inference(spec: common_pb2.InferenceJobSpec, key: Callable[[str], str]) -> None:
+    """The checks shared by job files and structured submissions; errors name the key to fix."""
+    jf = _jobfile()
+    m = spec.model
+    named = bool(m.repository or m.local_path)
+    if spec.model_job and named:
+        raise _bad(key("model_job"), "set model_job or model.repository/model.local_path, not both")
+    if not spec.model_job and not named:
+        if m.type != common_pb2.MODEL_TYPE_TORCH or not m.torch_factory:
+            raise _bad(key("model_job"), "missing: set model_job, or [model] repository or local_path")
+    if m.type not in jf.MODEL_TYPES.values():
+        raise _bad(key("model.type"), "unknown model type")
+    if m.local_path and not m.local_path.startswith(("/", "~")):
+        raise _bad(key("model.local_path"), f"{m.local_path!r} must be absolute (a path on the workers)")
+    if spec.model_job and (len(spec.model_job) > 128 or not spec.model_job.strip()):
+        raise _bad(key("model_job"), "must be a job id")
+    if spec.dataset.strip() and spec.inputs:
+        raise _bad(key("inputs"), "set dataset or inputs, not both")
+    if not spec.dataset.strip() and not spec.inputs:
+        raise _bad(key("dataset"), "missing: set dataset or inputs")
+    if len(spec.inputs) > MAX_INLINE_INPUTS:
+        raise _bad(key("inputs"), f"at most {MAX_INLINE_INPUTS} inputs (use a dataset for more)")
+    if spec.inputs and m.type != common_pb2.MODEL_TYPE_CAUSAL_LM:
+        raise _bad(key("inputs"), "inline inputs are prompts: they need model.type = causal-lm")
+    if spec.max_new_tokens > MAX_NEW_TOKENS:
+        raise _bad(key("max_new_tokens"), f"at most {MAX_NEW_TOKENS}")
+    if spec.batch_size < 1:
+        raise _bad(key("batch_size"), "must be at least 1")
+    if spec.timeout_s < 0:
+        raise _bad(key("timeout_s"), "must not be negative (0: no timeout)")
+    jf._check_policy(spec.selection_policy, key("selection_policy"))
+    jf._check_resources(spec.requirements.minimum, key("requirements"))
+    jf._check_price(spec.price, key("price"))
+
+
+def _bad(path: str, message: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"{path}: {message}")
+
+
+__all__ = ["check_inference", "inference_defaults", "inference_key", "inference_table"]

@@ -1,0 +1,383 @@
+"""``hypha up`` / ``hypha down``: a whole cluster on this machine, as plain
+processes (no containers).
+
+The state dir holds everything: a PKI made on first run (and reused), one
+config per node, logs, and ``cluster.json`` (the supervisor's pid and each
+node's pid, address and log). Nodes bind port 0; the supervisor reads each
+node's ready file and passes the addresses it needs to the nodes started
+after it with ``--set`` overrides, so configs never hold stale ports.
+
+Start order: gateway gw0, gateway gw1 (federated with gw0, DHT bootstrapped
+through it), data node, scheduler, workers. Stop order is the reverse; each
+node gets SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hypha.fsutil import write_atomic
+from hypha.pki import certs
+
+ROLE_MODULES = {
+    "gateway": "hypha.gateway.cli",
+    "scheduler": "hypha.scheduler.cli",
+    "worker": "hypha.worker.cli",
+    "data": "hypha.data.cli",
+}
+DEFAULT_STATE_DIR = Path(os.environ.get("HYPHA_STATE_DIR", ".hypha"))
+READY_TIMEOUT_S = 60.0
+STOP_GRACE_S = 10.0
+
+
+@dataclass
+class Cluster:
+    state_dir: Path
+    workers: int = 3
+    #: Extra ``--set KEY=VALUE`` overrides by node name or by role (a name's come after its role's),
+    #: e.g. ``{"worker": ["worker.lease_ttl_s=5"], "worker2": ["net.external_addresses=[...]"]}``.
+    overrides: dict[str, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Every path derived from here reaches other processes (node configs, worker work dirs,
+        # the bridge sockets executors dial from their own working directory): anchor it now.
+        self.state_dir = self.state_dir.expanduser().absolute()
+
+    @property
+    def pki_dir(self) -> Path:
+        return self.state_dir / "pki"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.state_dir / "data"
+
+    @property
+    def models_dir(self) -> Path:
+        """Models jobs of this cluster may name by local path."""
+        return self.state_dir / "models"
+
+    @property
+    def state_file(self) -> Path:
+        return self.state_dir / "cluster.json"
+
+    def node_names(self) -> list[tuple[str, str]]:
+        names = [("gw0", "gateway"), ("gw1", "gateway"), ("data0", "data"), ("scheduler", "scheduler")]
+        names += [(f"worker{i}", "worker") for i in range(self.workers)]
+        return names
+
+    # ---- first run: PKI and configs --------------------------------------
+
+    @property
+    def ca_dir(self) -> Path:
+        """The CA keys (and certificates): no node config names this dir, no executor sees it."""
+        return self.state_dir / "ca"
+
+    def ensure_pki(self) -> None:
+        """Root and org CA in ``ca/`` (0700), node certificates and keys in ``pki/``.
+
+        NOTE: the CA keys mint any certificate, an admin's included, so they
+        never sit beside the nodes' files (a state dir from before this split
+        has its CA keys moved out of ``pki/``). Only the CA certificates,
+        which are public, are copied into ``pki/``.
+        """
+        pki, ca = self.pki_dir, self.ca_dir
+        for folder in (pki, ca):
+            folder.mkdir(parents=True, exist_ok=True)
+            folder.chmod(0o700)
+        for name in ("root-ca-key.pem", "local-ca-key.pem"):
+            if (pki / name).exists():
+                (pki / name).replace(ca / name)
+        for name in ("root-ca-cert.pem", "local-ca-cert.pem"):
+            if (pki / name).exists() and not (ca / name).exists():
+                shutil.copyfile(pki / name, ca / name)
+        root_cert, root_key = ca / "root-ca-cert.pem", ca / "root-ca-key.pem"
+        if not root_key.exists():
+            certs.make_root(ca)
+        org_cert, org_key = ca / "local-ca-cert.pem", ca / "local-ca-key.pem"
+        if not org_key.exists():
+            certs.make_org(root_cert, root_key, "local", ca)
+        for cert in (root_cert, org_cert):
+            shutil.copyfile(cert, pki / cert.name)
+        wanted = [*self.node_names(), ("client", "client"), ("admin", "admin")]
+        for name, role in wanted:
+            if not (pki / f"{name}-cert.pem").exists():
+                # Loopback SANs: every node of a local cluster is dialled on 127.0.0.1.
+                certs.make_node(org_cert, org_key, role, name, pki, loopback=True)
+
+    def config_path(self, name: str) -> Path:
+        return self.state_dir / "config" / f"{name}.toml"
+
+    def ensure_config(self, name: str, role: str) -> Path:
+        path = self.config_path(name)
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            module = __import__(ROLE_MODULES[role], fromlist=["main"])
+            code = module.main(["init", "--name", name, "--certs", str(self.pki_dir), "--out", str(path)])
+            if code != 0:
+                raise RuntimeError(f"could not write the config of {name}")
+        return path
+
+    # ---- running -----------------------------------------------------------
+
+    def read_state(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.state_file.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def running(self) -> dict[str, Any] | None:
+        """The live cluster's state, or None (a stale state file is ignored)."""
+        state = self.read_state()
+        if state and _alive(int(state.get("supervisor", 0))):
+            return state
+        return None
+
+
+def _has_key(role: str, key: str) -> bool:
+    """Whether the role's own config section has ``key``."""
+    module = __import__(ROLE_MODULES[role].replace(".cli", ".config"), fromlist=["*"])
+    for value in vars(module).values():
+        fields = getattr(value, "model_fields", {})
+        if role in fields:
+            section = fields[role].annotation
+            return key in getattr(section, "model_fields", {})
+    return False
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+class Supervisor:
+    """Starts the nodes in order, keeps them, and stops them all on a signal."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.info: dict[str, dict[str, Any]] = {}
+        self._started_with: dict[str, tuple[str, list[str]]] = {}
+        self._stopping = False
+
+    def start_node(self, name: str, role: str, overrides: list[str]) -> dict[str, Any]:
+        self._started_with[name] = (role, list(overrides))
+        cluster = self.cluster
+        config = cluster.ensure_config(name, role)
+        logs = cluster.state_dir / "logs"
+        run = cluster.state_dir / "run"
+        logs.mkdir(parents=True, exist_ok=True)
+        run.mkdir(parents=True, exist_ok=True)
+        ready = run / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        argv = [
+            sys.executable,
+            "-m",
+            ROLE_MODULES[role],
+            "run",
+            "--config",
+            str(config),
+            "--ready-file",
+            str(ready),
+        ]
+        for item in [*overrides, *cluster.overrides.get(role, []), *cluster.overrides.get(name, [])]:
+            argv += ["--set", item]
+        log_path = logs / f"{name}.log"
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = proc
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}; see {log_path}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} not ready within {READY_TIMEOUT_S:.0f}s; see {log_path}")
+            time.sleep(0.05)
+        info = json.loads(ready.read_text())
+        info.update(pid=proc.pid, log=str(log_path), config=str(config))
+        self.info[name] = info
+        return info
+
+    def start_all(self) -> None:
+        cluster = self.cluster
+        cluster.ensure_pki()
+        cluster.data_dir.mkdir(parents=True, exist_ok=True)
+        cluster.models_dir.mkdir(parents=True, exist_ok=True)
+        gw0 = self.start_node("gw0", "gateway", [])
+        gw1 = self.start_node(
+            "gw1",
+            "gateway",
+            [
+                f"gateway.peers={json.dumps([gw0['address']])}",
+                f"gateway.dht_bootstrap={json.dumps([gw0['dht']])}",
+            ],
+        )
+        gateways = json.dumps([gw0["address"], gw1["address"]])
+        dht = json.dumps([gw0["dht"], gw1["dht"]])
+        self.start_node(
+            "data0",
+            "data",
+            [
+                f"net.gateways={gateways}",
+                f"data.dht_bootstrap={dht}",
+                f"data.data_dir={json.dumps(str(cluster.data_dir))}",
+            ],
+        )
+        for name, role in cluster.node_names()[3:]:
+            overrides = [f"net.gateways={gateways}"]
+            if _has_key(role, "dht_bootstrap"):
+                overrides.append(f"{role}.dht_bootstrap={dht}")
+            if role == "worker":
+                # All workers share this machine: split its cores, and let jobs use models
+                # saved under the state dir (``model.local_path``), e.g. the demo's.
+                threads = max(1, (os.cpu_count() or 1) // max(1, cluster.workers))
+                models = json.dumps([str(cluster.models_dir.resolve())])
+                overrides += [
+                    f"worker.jobs.threads_per_job={threads}",
+                    f"worker.jobs.local_model_roots={models}",
+                ]
+            overrides.append(f"state_dir={json.dumps(str(cluster.state_dir / 'nodes' / name))}")
+            self.start_node(name, role, overrides)
+        self.write_state()
+
+    def write_state(self) -> None:
+        state = {
+            "supervisor": os.getpid(),
+            "state_dir": str(self.cluster.state_dir.resolve()),
+            "pki": str(self.cluster.pki_dir.resolve()),
+            "nodes": self.info,
+        }
+        write_atomic(self.cluster.state_file, json.dumps(state, indent=2).encode(), mode=0o644)
+
+    def restart_node(self, name: str) -> dict[str, Any]:
+        """Stop ``name`` (if it still runs) and start it again as before; its state dir is kept.
+
+        It comes back on the ports it had, as a machine that reboots keeps its
+        address: the other nodes were started with those addresses (gateways,
+        DHT bootstrap) and would otherwise never find it again.
+        """
+        role, overrides = self._started_with[name]
+        stop_process(self.procs[name])
+        previous = self.info.get(name, {})
+        pinned = list(overrides)
+        if previous.get("address"):
+            pinned.append(f"net.listen={json.dumps(previous['address'])}")
+        if role == "gateway" and previous.get("dht"):
+            pinned.append(f"gateway.dht_port={int(str(previous['dht']).rsplit(':', 1)[1])}")
+        info = self.start_node(name, role, pinned)
+        self._started_with[name] = (role, overrides)
+        self.write_state()
+        return info
+
+    def stop_all(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        for name in reversed(list(self.procs)):
+            stop_process(self.procs[name])
+        self.cluster.state_file.unlink(missing_ok=True)
+
+    def watch(self) -> int:
+        """Block until a signal (or a node dies: report it, keep the rest up)."""
+        stop = False
+
+        def on_signal(signum: int, frame: object) -> None:
+            nonlocal stop
+            stop = True
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        reported: set[str] = set()
+        while not stop:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None and name not in reported:
+                    reported.add(name)
+                    print(
+                        f"hypha up: {name} exited with {proc.returncode}; see {self.info[name]['log']}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            time.sleep(0.2)  # supervising children: poll their exit status
+        self.stop_all()
+        return 0
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    except ProcessLookupError:
+        pass
+
+
+def up(state_dir: Path, workers: int, *, quiet: bool = False) -> int:
+    cluster = Cluster(state_dir, workers)
+    if cluster.running():
+        print(
+            f"hypha up: a cluster is already running from {state_dir} (hypha down stops it)", file=sys.stderr
+        )
+        return 1
+    supervisor = Supervisor(cluster)
+    try:
+        supervisor.start_all()
+    except (RuntimeError, OSError) as err:
+        supervisor.stop_all()
+        print(f"hypha up: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        supervisor.stop_all()
+        return 130
+    if not quiet:
+        print(f"cluster up from {state_dir.resolve()} (Ctrl-C or `hypha down` stops it)")
+        for name, info in supervisor.info.items():
+            print(f"  {name:<10} {info['role']:<9} {info['address']:<22} log: {info['log']}")
+        print(f"  client certificates: --certs {cluster.pki_dir.resolve()} --name client", flush=True)
+    return supervisor.watch()
+
+
+def down(state_dir: Path, timeout_s: float = 30.0) -> int:
+    cluster = Cluster(state_dir)
+    state = cluster.read_state()
+    if state is None:
+        print(f"hypha down: no cluster state in {state_dir}", file=sys.stderr)
+        return 1
+    pid = int(state.get("supervisor", 0))
+    if _alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    # Whatever is left (the supervisor was killed): stop the nodes directly.
+    for info in state.get("nodes", {}).values():
+        node_pid = int(info.get("pid", 0))
+        if _alive(node_pid):
+            try:
+                os.killpg(node_pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    cluster.state_file.unlink(missing_ok=True)
+    print("cluster stopped")
+    return 0

@@ -1,0 +1,1 @@
+"""The ``hypha`` subcommands, one module per group: jobs, workers, the local cluster."""

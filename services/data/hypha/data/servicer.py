@@ -1,0 +1,233 @@
+"""The DataNode gRPC service: which datasets this node has, and their slices as verified chunk streams.
+
+A slice is read and checked against its manifest sha256 *before* the first
+chunk leaves (``Dataset.iter_slice_chunks`` does both), so a slice that rotted
+on disk is refused with ``DATA_LOSS`` and not one of its bytes is sent. Reads
+and hashing run in worker threads (``asyncio.to_thread``) so several readers
+are served in parallel and the event loop keeps answering while a large slice
+is hashed. The number of slices held in memory at once is bounded by
+``max_concurrent_streams``; a caller that cannot get a slot within
+``stream_wait_s`` gets ``RESOURCE_EXHAUSTED`` (retryable), never an unbounded
+queue.
+
+Chunk conventions (``hypha.v1.Chunk``): ``offset`` is absolute within the
+slice, so a stream resumed at ``offset`` continues where a broken one stopped;
+the first chunk of every stream carries ``total_size`` (the whole slice),
+``content_type`` and metadata (``dataset``, ``index``, ``sha256``, ``samples``);
+the last carries the sha256 of the *whole* slice and ``last=True``. A resume
+at ``offset == total_size`` is one empty chunk that is both first and last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import grpc
+
+from hypha.datasets.format import CONTENT_TYPE, DEFAULT_CHUNK_SIZE, MANIFEST_NAME, Dataset, scan_data_dir
+from hypha.errors import DataLossError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from hypha.net.auth import peer_identity
+from hypha.v1 import common_pb2, data_pb2, data_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+#: Called before each chunk is sent, with (dataset, index, chunk). A seam for
+#: fault injection in tests and for telemetry; it may await, and whatever it
+#: raises ends the stream like any handler error.
+ChunkHook = Callable[[str, int, common_pb2.Chunk], Awaitable[None]]
+
+#: What identifies the state of a data dir without reading any manifest: the
+#: dir's own mtime and, per dataset dir, its manifest's inode, size and mtime.
+_Signature = tuple[int, tuple[tuple[str, int, int, int], ...]]
+
+
+class DatasetCatalog:
+    """The datasets of a data dir, rescanned when the dir changes.
+
+    ``prepare`` installs a dataset by renaming a finished temp dir into place
+    (or replacing one), which changes the data dir's mtime and the manifest's
+    inode; checking those few stats per call is far cheaper than reopening
+    every dataset, so new datasets appear without a restart while an unchanged
+    dir is never rescanned.
+    """
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = Path(data_dir)
+        self._datasets: dict[str, Dataset] = {}
+        self._signature: _Signature | None = None
+        self._lock = asyncio.Lock()
+        self._warned_missing = False
+        #: How many times the dir was (re)scanned; for tests and metrics.
+        self.scans = 0
+
+    async def datasets(self) -> dict[str, Dataset]:
+        """The current datasets by name (rescanned first if the dir changed)."""
+        signature = await asyncio.to_thread(self._read_signature)
+        if signature == self._signature:
+            return self._datasets
+        async with self._lock:
+            if signature != self._signature:
+                # NOTE: the signature is taken before the scan, so a change that lands during the
+                # scan leaves a stale signature behind and the next call scans again; the
+                # opposite order could miss a change forever.
+                self._datasets = await asyncio.to_thread(self._scan)
+                self._signature = signature
+                self.scans += 1
+        return self._datasets
+
+    async def get(self, name: str) -> Dataset:
+        datasets = await self.datasets()
+        try:
+            return datasets[name]
+        except KeyError:
+            raise NotFoundError(f"no dataset named {name!r} on this data node") from None
+
+    def _scan(self) -> dict[str, Dataset]:
+        if not self.data_dir.is_dir():
+            return {}
+        found = scan_data_dir(self.data_dir)
+        log.info("data dir %s: serving %d dataset(s): %s", self.data_dir, len(found), ", ".join(found) or "-")
+        return found
+
+    def _read_signature(self) -> _Signature:
+        try:
+            top = self.data_dir.stat().st_mtime_ns
+            children = sorted(os.scandir(self.data_dir), key=lambda entry: entry.name)
+        except FileNotFoundError:
+            if not self._warned_missing:
+                log.warning("data dir %s does not exist (yet); serving no datasets", self.data_dir)
+                self._warned_missing = True
+            return (-1, ())
+        entries = []
+        for child in children:
+            if child.name.startswith(".") or not child.is_dir():
+                continue
+            try:
+                st = os.stat(os.path.join(child.path, MANIFEST_NAME))
+            except OSError:
+                entries.append((child.name, 0, 0, 0))
+                continue
+            entries.append((child.name, st.st_ino, st.st_size, st.st_mtime_ns))
+        return (top, tuple(entries))
+
+
+class DataNodeServicer(data_pb2_grpc.DataNodeServicer):
+    """Thin edge over ``DatasetCatalog`` and ``Dataset``; errors map through the server guard."""
+
+    def __init__(
+        self,
+        catalog: DatasetCatalog,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_SIZE,
+        max_concurrent_streams: int = 16,
+        stream_wait_s: float = 10.0,
+        chunk_hook: ChunkHook | None = None,
+    ) -> None:
+        if chunk_bytes < 1:
+            raise InvalidArgumentError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        if max_concurrent_streams < 1:
+            raise InvalidArgumentError(f"max_concurrent_streams must be >= 1, got {max_concurrent_streams}")
+        self.catalog = catalog
+        self.chunk_bytes = chunk_bytes
+        self.max_concurrent_streams = max_concurrent_streams
+        self.stream_wait_s = stream_wait_s
+        self.chunk_hook = chunk_hook
+        self._slots = asyncio.Semaphore(max_concurrent_streams)
+        #: Counters: streams started/completed, bytes sent, slices refused as corrupt, busy refusals.
+        self.stats: Counter[str] = Counter()
+
+    async def ListDatasets(
+        self, request: data_pb2.ListDatasetsRequest, context: grpc.aio.ServicerContext
+    ) -> data_pb2.ListDatasetsResponse:
+        datasets = await self.catalog.datasets()
+        return data_pb2.ListDatasetsResponse(
+            datasets=[datasets[name].manifest.to_proto() for name in sorted(datasets)]
+        )
+
+    async def StreamSlice(
+        self, request: data_pb2.StreamSliceRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.Chunk]:
+        dataset = await self.catalog.get(request.dataset)
+        index, offset = request.index, request.offset
+        async with self._slot(dataset.name, index):
+            try:
+                pieces = await asyncio.to_thread(dataset.iter_slice_chunks, index, self.chunk_bytes, offset)
+            except DataLossError as err:
+                self.stats["refused_corrupt"] += 1
+                log.error("refusing to serve %s slice %d: %s", dataset.name, index, err.message)
+                raise
+            self.stats["streams"] += 1
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "streaming %s slice %d from byte %d to %s",
+                    dataset.name,
+                    index,
+                    offset,
+                    peer_identity(context).peer_id,
+                )
+            for chunk in _chunk_messages(dataset, index, offset, pieces):
+                if self.chunk_hook is not None:
+                    await self.chunk_hook(dataset.name, index, chunk)
+                self.stats["bytes"] += len(chunk.data)
+                yield chunk
+            self.stats["completed"] += 1
+
+    @asynccontextmanager
+    async def _slot(self, name: str, index: int) -> AsyncIterator[None]:
+        """Holds one of ``max_concurrent_streams`` slots for a whole stream: the verified slice
+        stays in memory until its last chunk is sent, so slots bound the memory in use."""
+        try:
+            async with asyncio.timeout(self.stream_wait_s):
+                await self._slots.acquire()
+        except TimeoutError:
+            self.stats["busy"] += 1
+            raise ResourceExhaustedError(
+                f"data node busy: {self.max_concurrent_streams} slice streams in flight; "
+                f"{name} slice {index} waited {self.stream_wait_s:g} s"
+            ) from None
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+
+def _chunk_messages(
+    dataset: Dataset, index: int, offset: int, pieces: Iterator[bytes]
+) -> Iterator[common_pb2.Chunk]:
+    size = dataset.slice_size(index)
+    sha = dataset.slice_sha256(index)
+    metadata = {
+        "dataset": dataset.name,
+        "index": str(index),
+        "sha256": sha,
+        "samples": str(dataset.manifest.samples_in_slice(index)),
+    }
+    position = offset
+    first = True
+    for data in pieces:
+        chunk = common_pb2.Chunk(offset=position, data=data)
+        position += len(data)
+        if first:
+            chunk.total_size = size
+            chunk.content_type = CONTENT_TYPE
+            chunk.metadata.update(metadata)
+            first = False
+        if position >= size:
+            chunk.last = True
+            chunk.sha256 = sha
+        yield chunk
+    if first:  # resumed at the very end: nothing left but the verdict
+        yield common_pb2.Chunk(
+            offset=position,
+            total_size=size,
+            content_type=CONTENT_TYPE,
+            metadata=metadata,
+            last=True,
+            sha256=sha,
+        )

@@ -1,0 +1,567 @@
+"""DiLoCo jobs: one parameter server and ``num_workers`` trainers, driven round by round.
+
+ALLOCATING: find the dataset's providers in the DHT; lease one parameter
+server and ``num_workers`` trainers with the job's requirements, prices and
+policy; dispatch the parameter server (it learns the trainer ids), then the
+trainers (they learn the parameter server). RUNNING: progress reports are
+answered by the job's planner (``hypha.scheduler.rounds``), slice requests by
+its ``SliceTracker`` (with the providers as ``PeerInfo``), metrics go to the
+store. A trainer that is lost (its lease lapsed) or fails gives its slices
+back and is replaced through the market; the replacement starts at the
+current round, pulling θ_global from the parameter server, which is
+re-dispatched with the new trainer list so it adopts the newcomer. ``ScaleJob``
+grows or shrinks a running job the same way (``hypha.scheduler.elastic``). The job
+ends when the parameter server reports success after the configured rounds:
+its result is pulled into the scheduler's state dir (``hypha.scheduler.results``).
+
+The parameter server is no single point of failure: each round's metrics
+report is its commit, answered once the scheduler holds the round's state
+(``hypha.scheduler.ps_state``). When the server's process fails, it is
+dispatched again on the same worker (a new attempt under the same lease);
+when its lease is lost, a new one is leased through the market. Either way
+the newest kept state is pushed to it, and every trainer is dispatched again
+(its worker re-sends the round's delta to the restored server and routes its
+tensors there); the round in flight is collected again
+(``hypha.scheduler.ps_recovery``, ``docs/fault-tolerance.md``).
+
+Decisions (NOTE):
+- Progress is written to the store at most every
+  ``jobs.progress_store_interval_s`` (every batch of every trainer reports;
+  watchers only need the latest), and always when a round completes.
+- The job goes back to ALLOCATING while a replacement is being leased, and
+  to RUNNING once no replacement is under way any more.
+- The run saves its own state (leases, trainers, slice assignments, rounds)
+  in the store whenever it changes that much, so a restarted scheduler
+  resumes the job (``hypha.scheduler.diloco_resume``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from hypha.dht.records import ProviderRecord
+from hypha.errors import FailedPreconditionError, HyphaError
+from hypha.market.allocator import HeldLease
+from hypha.market.resources import Requirements
+from hypha.scheduler import elastic
+from hypha.scheduler.diloco_resume import resume, snapshot
+from hypha.scheduler.lifecycle import JobState, Reason
+from hypha.scheduler.providers import DatasetProviders, provider_peer
+from hypha.scheduler.ps_recovery import ParameterServerRecovery
+from hypha.scheduler.ps_state import STATE_ROUND_KEY, StateKeeper
+from hypha.scheduler.results import ResultPullError, pull_result, result_dir, result_limits
+from hypha.scheduler.retry import Outcome, attempt_end
+from hypha.scheduler.rounds import Planner, PlannerFactory, Progress, batch_size_for
+from hypha.scheduler.runs import JobFailed, RunRegistry, price_range
+from hypha.scheduler.slices import SliceTracker
+from hypha.scheduler.store import JobRecord, WorkerMetric
+from hypha.scheduler.worker_calls import describe
+from hypha.v1 import common_pb2, scheduler_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Trainer:
+    """One trainer of a DiLoCo job: its lease, batch size and the figures it last reported."""
+
+    worker_id: str
+    lease: HeldLease
+    batch_size: int
+    attempt: int
+    start_round: int
+    #: Join order within the job (shrinking releases the highest first).
+    joined: int = 0
+    finished: bool = False
+    samples: int = 0
+    samples_per_second: float = 0.0
+    loss: float = 0.0
+
+
+class DilocoRun(ParameterServerRecovery):
+    """A DiLoCo job while it runs (see the module docstring)."""
+
+    kind = "diloco"
+
+    def __init__(
+        self,
+        job: JobRecord,
+        runs: RunRegistry,
+        planners: PlannerFactory,
+        providers: DatasetProviders | None,
+        state_dir: Path,
+    ) -> None:
+        super().__init__(job, runs)
+        self.planners = planners
+        self.providers = providers
+        self.state_dir = state_dir
+        self.ps: HeldLease | None = None
+        self.trainers: dict[str, Trainer] = {}
+        self.tracker: SliceTracker | None = None
+        self.planner: Planner | None = None
+        self.data_providers: list[common_pb2.PeerInfo] = []
+        #: Rounds the parameter server completed.
+        self.completed = 0
+        #: When the current round started (dispatch, then each completion), on the registry's clock.
+        self.round_started_at = 0.0
+        #: Trainer loss per round, per worker.
+        self.losses: dict[int, dict[str, float]] = {}
+        #: Replacements made so far (bounded by ``jobs.max_replacements``).
+        self.replacements_used = 0
+        #: Replacements being leased and dispatched right now.
+        self.replacements_under_way = 0
+        self.last_store_at = 0.0
+        #: Resolved with (succeeded, message) when the parameter server ends.
+        self.ended: asyncio.Future[tuple[bool, str]] | None = None
+        #: The parameter server's state after the newest committed round.
+        self.state = StateKeeper(state_dir, job.job_id)
+        #: The current parameter server's attempt (each restore is a new one).
+        self.ps_attempt = 0
+        #: The first parameter server runs: from now on a lost one is restored, not fatal.
+        self.ps_started = False
+        #: Serialises dispatches to the parameter server (restores and trainer-list updates).
+        self.ps_lock = asyncio.Lock()
+        #: Serialises saves of the run's state (``_save``).
+        self.save_lock = asyncio.Lock()
+        #: Being rebuilt after a scheduler restart (``diloco_resume``): progress is answered CONTINUE.
+        self.resuming = False
+        #: Trainers the job should have (``hypha scale``; ``hypha.scheduler.elastic``).
+        self.target_workers = int(job.spec.diloco.num_workers)
+        #: Trainers added so far (each one's ``joined``), and whether growth is under way.
+        self.joins = 0
+        self.growing = False
+
+    @property
+    def diloco(self) -> common_pb2.DilocoJobSpec:
+        return self.spec.diloco
+
+    @property
+    def over(self) -> bool:
+        """The parameter server ended (or the job was given up): nothing is replaced any more."""
+        return self.ended is not None and self.ended.done()
+
+    def _end(self, succeeded: bool, message: str) -> None:
+        if self.ended is not None and not self.ended.done():
+            self.ended.set_result((succeeded, message))
+
+    # ---- what workers report ------------------------------------------------------------
+
+    def on_lease_lost(self, lease: HeldLease, reason: str) -> None:
+        worker_id = lease.worker_id
+        if self.ps is not None and lease.lease_id == self.ps.lease_id:
+            self._ps_trouble(f"parameter server {worker_id} lost: {reason}", lost=True)
+        elif worker_id in self.trainers and not self.over:
+            why = f"trainer {worker_id} lost: {reason}"
+            self.runs.spawn(self._replace_trainer(worker_id, why, lost=True), f"replace trainer {worker_id}")
+
+    def on_status(self, worker_id: str, report: scheduler_pb2.JobStatusReport) -> None:
+        outcome = attempt_end(int(report.state), int(report.exit_code), report.message)[0]
+        if self.ps is not None and worker_id == self.ps.worker_id:
+            if int(report.attempt) != self.ps_attempt:
+                return  # a server this job already replaced
+            if outcome is Outcome.SUCCEEDED:
+                self._end(True, report.message or outcome.value)
+            else:
+                why = f"parameter server on {worker_id} {outcome.value}: {report.message}"
+                self._ps_trouble(why, lost=False)
+            return
+        trainer = self.trainers.get(worker_id)
+        if trainer is None:
+            return
+        if outcome is Outcome.SUCCEEDED:
+            trainer.finished = True
+        elif not self.over:
+            why = f"trainer on {worker_id} {outcome.value}: {report.message}"
+            self.runs.spawn(self._replace_trainer(worker_id, why), f"replace trainer {worker_id}")
+
+    async def on_progress(
+        self, worker_id: str, report: scheduler_pb2.ProgressReport
+    ) -> scheduler_pb2.Directive:
+        if self.resuming:
+            # Its trainers are not all back yet (a restarted scheduler): DONE would stop one.
+            return scheduler_pb2.Directive(kind=scheduler_pb2.DIRECTIVE_KIND_CONTINUE, round=report.round)
+        if self.planner is None:
+            raise FailedPreconditionError(f"job {self.job_id} is not a running DiLoCo job")
+        trainer = self.trainers.get(worker_id)
+        if trainer is None:
+            return scheduler_pb2.Directive(kind=scheduler_pb2.DIRECTIVE_KIND_DONE, round=report.round)
+        progress = Progress.from_proto(report)
+        directive = self.planner.report(worker_id, progress, self.runs.clock())
+        trainer.samples = progress.samples
+        trainer.loss = progress.loss
+        rate = self.planner.rates().get(worker_id)
+        if rate is not None:
+            trainer.samples_per_second = rate
+        await self._store_progress()
+        return directive.to_proto()
+
+    async def next_slice(
+        self, worker_id: str, request: scheduler_pb2.NextSliceRequest
+    ) -> scheduler_pb2.NextSliceResponse:
+        tracker = self.tracker
+        if tracker is None:
+            raise FailedPreconditionError(f"job {self.job_id} has no data slices")
+        for used in request.used:
+            try:
+                epoch = tracker.epoch
+                tracker.mark_used(worker_id, int(used))
+                # The audit trail the chaos benchmark checks "each slice once per epoch" against.
+                log.debug("job %s: slice %d used in epoch %d by %s", self.job_id, used, epoch, worker_id)
+            except HyphaError as err:  # a slice it lost (replaced, or reported twice): ignore
+                log.debug("job %s: used slice %d from %s ignored: %s", self.job_id, used, worker_id, err)
+        dataset = self.diloco.dataset
+        if worker_id not in self.trainers:
+            return scheduler_pb2.NextSliceResponse(available=False, dataset=dataset)
+        try:
+            index = tracker.next_slice(worker_id)
+        except FailedPreconditionError:
+            index = None  # it holds its prefetch allowance already
+        if index is None:
+            return scheduler_pb2.NextSliceResponse(available=False, epoch=tracker.epoch, dataset=dataset)
+        await self._save()  # the assignment must outlive a scheduler restart
+        return scheduler_pb2.NextSliceResponse(
+            available=True, index=index, epoch=tracker.epoch, dataset=dataset, providers=self.data_providers
+        )
+
+    async def on_metrics(self, worker_id: str, round_: int, values: dict[str, float]) -> None:
+        if self.ps is not None and worker_id == self.ps.worker_id:
+            # The parameter server completed a round; its report is the round's commit.
+            if STATE_ROUND_KEY in values:
+                await self._commit(worker_id, int(values[STATE_ROUND_KEY]))
+            if round_ + 1 > self.completed:
+                now = self.runs.clock()
+                metrics = self.runs.metrics
+                if metrics is not None and self.round_started_at:
+                    metrics.round_seconds.observe(now - self.round_started_at)
+                self.round_started_at = now
+                self.completed = round_ + 1
+            await self._store_progress(force=True, message=f"round {round_} complete")
+            await self._save()
+            if len(self.trainers) > self.target_workers:  # a round boundary: scaled down
+                self.runs.spawn(elastic.shrink_at_boundary(self), f"shrink job {self.job_id}")
+            return
+        if "loss" in values and math.isfinite(values["loss"]):
+            self.losses.setdefault(round_, {})[worker_id] = values["loss"]
+        trainer = self.trainers.get(worker_id)
+        if trainer is not None and "samples_per_second" in values:
+            trainer.samples_per_second = values["samples_per_second"]
+        await self._store_progress()
+
+    def samples_per_second(self, worker_id: str) -> float:
+        trainer = self.trainers.get(worker_id)
+        return trainer.samples_per_second if trainer is not None else 0.0
+
+    # ---- driving the job ----------------------------------------------------------------
+
+    async def drive(self, job: JobRecord) -> None:
+        runs, store, spec = self.runs, self.runs.store, self.diloco
+        self.ended = asyncio.get_running_loop().create_future()
+        if job.state is JobState.PENDING:
+            await self._start()
+        else:  # a job a restarted scheduler resumes (``JobStore.recover``)
+            saved = await store.run_state(self.job_id)
+            if saved is None:
+                raise JobFailed(
+                    Reason.SCHEDULER_RESTARTED.format(state=job.state.value) + "; nothing to resume"
+                )
+            self.resuming = True
+            try:
+                await resume(self, saved)
+            finally:
+                self.resuming = False
+            with contextlib.suppress(HyphaError):
+                await store.transition(
+                    self.job_id,
+                    JobState.RUNNING,
+                    expected=JobState.ALLOCATING,
+                    reason=f"resumed from round {self.completed} on {len(self.trainers)} workers",
+                    workers=self._worker_list(),
+                )
+        await self._save()
+        self.round_started_at = runs.clock()
+        succeeded, message = await self.ended
+        if not succeeded:
+            raise JobFailed(f"parameter server: {message}")
+        assert self.ps is not None
+        target = result_dir(self.state_dir, self.job_id)
+        try:
+            size = await pull_result(
+                runs.calls,
+                self.ps.worker_id,
+                self.job_id,
+                target,
+                runs.jobs_cfg.result_timeout_s,
+                runs.clock,
+                limits=result_limits(runs.jobs_cfg),
+            )
+        except ResultPullError as err:
+            raise JobFailed(err.message) from err
+        if runs.metrics is not None:
+            runs.metrics.bytes_moved.labels(kind="result_pull").inc(size)
+        await self._store_progress(force=True)
+        await self.state.drop()
+        await runs.finish_job(
+            self,
+            JobState.SUCCEEDED,
+            f"{spec.rounds} rounds done" + (f" ({message})" if message else ""),
+            result_path=str(target),
+            round=max(self.completed, int(spec.rounds)),
+        )
+
+    async def _start(self) -> None:
+        """PENDING to RUNNING: providers, leases, then the parameter server and the trainers."""
+        runs, store, spec = self.runs, self.runs.store, self.diloco
+        await store.transition(self.job_id, JobState.ALLOCATING, expected=JobState.PENDING)
+        records = await self._find_providers(spec.dataset)
+        self.data_providers = [provider_peer(record) for record in records]
+        self.tracker = SliceTracker(max(record.slice_count for record in records))
+        self.planner = self.planners(spec)
+        (self.ps,) = await runs.lease_many(
+            self,
+            Requirements.from_proto(spec.parameter_server_requirements),
+            1,
+            price_range(spec.parameter_server_price),
+            spec.selection_policy,
+            what="a parameter server",
+        )
+        trainer_leases = await runs.lease_many(
+            self,
+            Requirements.from_proto(spec.worker_requirements),
+            int(spec.num_workers),
+            price_range(spec.worker_price),
+            spec.selection_policy,
+            exclude={self.ps.worker_id},
+        )
+        for lease in trainer_leases:
+            self._add_trainer(lease, attempt=0, start_round=0)
+        try:
+            await self._dispatch_ps()
+            self.ps_started = True
+            await asyncio.gather(*(self._dispatch_trainer(t) for t in list(self.trainers.values())))
+        except grpc.aio.AioRpcError as err:
+            # A worker refusing the job itself (e.g. a model factory off its allowlist) will
+            # refuse it again: fail at once with its reason instead of an "orchestration failed".
+            if err.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
+                raise JobFailed(f"a worker refused the job: {describe(err)}") from err
+            raise
+        await store.transition(
+            self.job_id,
+            JobState.RUNNING,
+            reason=f"training on {len(self.trainers)} workers",
+            workers=self._worker_list(),
+        )
+
+    async def _save(self) -> None:
+        """Save what resuming the job after a scheduler restart needs (``diloco_resume``); the
+        snapshot is taken under the lock, so the newest one is always written last."""
+        if self.ps is None or self.tracker is None or self.over:
+            return
+        async with self.save_lock:
+            try:
+                await self.runs.store.save_run_state(self.job_id, snapshot(self))
+            except HyphaError as err:
+                log.warning("job %s: run state not saved: %s", self.job_id, err)
+
+    async def _find_providers(self, dataset: str) -> list[ProviderRecord]:
+        if self.providers is None:
+            raise JobFailed(f"cannot look up dataset {dataset!r}: scheduler.dht_bootstrap is not configured")
+        records = await self.providers.find_within(
+            dataset, self.runs.jobs_cfg.provider_wait_s, self.runs.clock
+        )
+        if not records:
+            raise JobFailed(f"no data node serves dataset {dataset!r}")
+        return records
+
+    def _add_trainer(self, lease: HeldLease, *, attempt: int, start_round: int) -> Trainer:
+        spec = self.diloco
+        capacity = self.runs.market.worker_capacity(lease.worker_id)
+        size = batch_size_for(
+            capacity if not capacity.is_zero() else lease.resources,
+            gpu_memory_per_sample_gb=spec.gpu_memory_per_sample_gb,
+            min_batch_size=int(spec.min_batch_size),
+            max_batch_size=int(spec.max_batch_size),
+        )
+        trainer = Trainer(lease.worker_id, lease, size, attempt, start_round, joined=self.joins)
+        self.joins += 1
+        self.trainers[lease.worker_id] = trainer
+        assert self.planner is not None
+        self.planner.add_worker(lease.worker_id, size)
+        return trainer
+
+    def _trainer_ids(self) -> list[str]:
+        return sorted(self.trainers)
+
+    async def _repoint_trainers(self) -> None:
+        """Every trainer still training learns the restored server (a second dispatch, same lease and
+        attempt); one that finished is left alone (a dispatch would start it again), and so is one
+        whose lease is not held (it is being replaced)."""
+        running = [t for t in self.trainers.values() if not t.finished and t.lease.lease_id in self.leases]
+        await asyncio.gather(*(self._dispatch_trainer(t) for t in running))
+
+    def _worker_list(self) -> list[str]:
+        return ([self.ps.worker_id] if self.ps is not None else []) + sorted(self.trainers)
+
+    async def _dispatch_ps(self) -> None:
+        assert self.ps is not None
+        kept = self.state.latest
+        await self.runs.calls.dispatch(
+            self.ps.worker_id,
+            worker_pb2.DispatchJobRequest(
+                job_id=self.job_id,
+                lease_id=self.ps.lease_id,
+                executor=common_pb2.EXECUTOR_KIND_PARAMETER_SERVER,
+                spec=self.spec,
+                trainer_ids=sorted(self.trainers),
+                scheduler_addresses=self.runs.market.addresses(),
+                # > 0: a restored server, which waits for the state pushed to it.
+                start_round=kept.round if kept is not None else 0,
+                attempt=self.ps_attempt,
+            ),
+        )
+
+    async def _update_ps(self) -> None:
+        """Tell the running parameter server the new trainer list (a second dispatch of the job).
+
+        A worker whose job manager cannot update a running execution answers
+        ALREADY_EXISTS: the parameter server then keeps the old list, refuses
+        the newcomer's deltas and completes each round with the remaining
+        trainers once ``round_timeout_s`` passed (``quorum``).
+        """
+        try:
+            async with self.ps_lock:
+                await self._dispatch_ps()
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.ALREADY_EXISTS:
+                raise
+            log.warning(
+                "job %s: the parameter server cannot take the new trainer list (%s); "
+                "rounds complete by quorum",
+                self.job_id,
+                describe(err),
+            )
+
+    async def _dispatch_trainer(self, trainer: Trainer) -> None:
+        assert self.ps is not None
+        market = self.runs.market
+        await self.runs.calls.dispatch(
+            trainer.worker_id,
+            worker_pb2.DispatchJobRequest(
+                job_id=self.job_id,
+                lease_id=trainer.lease.lease_id,
+                executor=common_pb2.EXECUTOR_KIND_DILOCO_TRAINER,
+                spec=self.spec,
+                parameter_server_id=self.ps.worker_id,
+                parameter_server_addresses=list(market.worker_addresses(self.ps.worker_id)),
+                scheduler_addresses=market.addresses(),
+                batch_size=trainer.batch_size,
+                attempt=trainer.attempt,
+                start_round=trainer.start_round,
+            ),
+        )
+
+    async def _replace_trainer(self, worker_id: str, why: str, *, lost: bool = False) -> None:
+        """A trainer is gone: its slices go back, a new worker takes its place at the current round.
+
+        ``lost``: its lease lapsed, so the worker is gone or cut off; it stops the
+        execution itself when the lease ends, and nobody waits on a cancel call to it.
+        """
+        trainer = self.trainers.pop(worker_id, None)
+        if trainer is None:
+            return
+        runs, store = self.runs, self.runs.store
+        log.warning("job %s: %s", self.job_id, why)
+        if self.tracker is not None:
+            self.tracker.worker_lost(worker_id)
+        if self.planner is not None:
+            self.planner.remove_worker(worker_id)
+        await runs.release_lease(self, trainer.lease, cancel=not lost)
+        if self.replacements_used >= runs.jobs_cfg.max_replacements:
+            self._end(False, f"{why}; no replacements left ({self.replacements_used} used)")
+            return
+        self.replacements_used += 1
+        self.replacements_under_way += 1
+        try:
+            with contextlib.suppress(HyphaError):
+                await store.transition(
+                    self.job_id,
+                    JobState.ALLOCATING,
+                    expected=JobState.RUNNING,
+                    reason=Reason.WORKER_LOST.format(worker=worker_id),
+                )
+            exclude = set(self.trainers) | ({self.ps.worker_id} if self.ps else set())
+            spec = self.diloco
+            try:
+                leases = await runs.lease_many(
+                    self,
+                    Requirements.from_proto(spec.worker_requirements),
+                    1,
+                    price_range(spec.worker_price),
+                    spec.selection_policy,
+                    exclude=exclude,
+                    what="replacement trainers",
+                    patience_s=runs.jobs_cfg.replace_patience_s,
+                )
+            except JobFailed as err:
+                self._end(False, f"{why}; {err.message}")
+                return
+            if self.over:
+                await runs.release_lease(self, leases[0], cancel=False)
+                return
+            replacement = self._add_trainer(
+                leases[0], attempt=self.replacements_used, start_round=self.completed
+            )
+            await self._update_ps()
+            await self._dispatch_trainer(replacement)
+            await store.note(self.job_id, f"trainer {replacement.worker_id} replaces {worker_id}")
+            await self._save()
+        except (grpc.aio.AioRpcError, HyphaError) as err:
+            self._end(False, f"{why}; replacing it failed: {describe(err)}")
+        finally:
+            self.replacements_under_way -= 1
+            if self.replacements_under_way == 0:
+                with contextlib.suppress(HyphaError):
+                    await store.transition(
+                        self.job_id,
+                        JobState.RUNNING,
+                        expected=JobState.ALLOCATING,
+                        reason=f"training on {len(self.trainers)} workers",
+                        workers=self._worker_list(),
+                    )
+
+    async def _store_progress(self, *, force: bool = False, message: str = "") -> None:
+        now = self.runs.clock()
+        if not force and now - self.last_store_at < self.runs.jobs_cfg.progress_store_interval_s:
+            return
+        self.last_store_at = now
+        loss = self._latest_loss()
+        metrics = [
+            WorkerMetric(t.worker_id, t.samples_per_second, t.samples, t.loss, t.batch_size)
+            for t in self.trainers.values()
+        ]
+        changes: dict[str, Any] = {"round": self.completed}
+        if loss is not None:
+            changes["loss"] = loss
+        try:
+            await self.runs.store.update(self.job_id, message=message, worker_metrics=metrics, **changes)
+        except HyphaError as err:
+            log.debug("job %s: progress not stored: %s", self.job_id, err)
+
+    def _latest_loss(self) -> float | None:
+        """Mean trainer loss of the latest round any trainer reported, else the live mean."""
+        if self.losses:
+            latest = max(self.losses)
+            values = list(self.losses[latest].values())
+            return sum(values) / len(values)
+        live = [t.loss for t in self.trainers.values() if t.loss > 0 and math.isfinite(t.loss)]
+        return sum(live) / len(live) if live else None
+
+
+__all__ = ["DilocoRun", "Trainer"]

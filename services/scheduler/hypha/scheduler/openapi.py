@@ -1,0 +1,278 @@
+"""The OpenAPI 3.1 description of the scheduler's REST mirror (served at ``/api/v1/openapi.json``).
+
+Kept apart from the server (``hypha.scheduler.rest``) because it is data:
+one document that names every route, its parameters, bodies and errors,
+checked against the routes the server really has by the REST tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypha.scheduler.lifecycle import JobState
+
+#: Prefix of every REST route.
+API = "/api/v1"
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 description of the REST mirror."""
+    errors = {
+        code: _json(_ref("Error"), text)
+        for code, text in (
+            ("400", "malformed request (the message names the key)"),
+            ("403", "the certificate's role may not call this"),
+            ("404", "no such job"),
+            ("409", "the job is not in a state that allows this"),
+        )
+    }
+    job_id = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    state_filter = {
+        "name": "state",
+        "in": "query",
+        "required": False,
+        "schema": {"type": "array", "items": _ref("JobState")},
+        "style": "form",
+        "explode": True,
+    }
+    job = _json(_ref("Job"), "the job")
+    jobs = _json({"type": "object", "properties": {"jobs": {"type": "array", "items": _ref("Job")}}}, "jobs")
+    cancelled = _json(
+        {"type": "object", "properties": {"cancelled": {"type": "array", "items": {"type": "string"}}}},
+        "ids of the jobs cancelled",
+    )
+    submitted = _json(_ref("Job"), "accepted: the job, PENDING")
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Hypha scheduler REST API",
+            "version": "1",
+            "description": "REST mirror of the hypha.v1.Scheduler gRPC client API. Mutual TLS is required: "
+            "a client or admin certificate of the network.",
+        },
+        "security": [{"mtls": []}],
+        "paths": {
+            f"{API}/tasks": {
+                "post": {
+                    "summary": "Submit a task job",
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": _ref("TaskJob")}},
+                    },
+                    "responses": {"201": submitted, **errors},
+                },
+                "get": {
+                    "summary": "List task jobs",
+                    "parameters": [state_filter],
+                    "responses": {"200": jobs, "400": errors["400"], "403": errors["403"]},
+                },
+            },
+            f"{API}/tasks/{{job_id}}": {
+                "parameters": [job_id],
+                "get": {"summary": "Get a task job", "responses": {"200": job, **errors}},
+                "delete": {"summary": "Cancel a task job", "responses": {"200": cancelled, **errors}},
+            },
+            f"{API}/jobs": {
+                "post": {
+                    "summary": "Submit a job (TOML job file, job table, or JobSpec)",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/toml": {"schema": {"type": "string"}},
+                            "application/json": {"schema": _ref("JobSubmission")},
+                        },
+                    },
+                    "responses": {"201": submitted, **errors},
+                },
+                "get": {
+                    "summary": "List jobs",
+                    "parameters": [
+                        state_filter,
+                        {
+                            "name": "kind",
+                            "in": "query",
+                            "schema": {"type": "string", "enum": ["diloco", "task", "inference"]},
+                        },
+                    ],
+                    "responses": {"200": jobs, "400": errors["400"], "403": errors["403"]},
+                },
+                "delete": {
+                    "summary": "Cancel every active job of the caller (every job, for an admin)",
+                    "parameters": [
+                        {"name": "all", "in": "query", "required": True, "schema": {"const": "true"}}
+                    ],
+                    "responses": {"200": cancelled, **errors},
+                },
+            },
+            f"{API}/jobs/{{job_id}}": {
+                "parameters": [job_id],
+                "get": {"summary": "Get a job", "responses": {"200": job, **errors}},
+                "delete": {"summary": "Cancel a job", "responses": {"200": cancelled, **errors}},
+            },
+            f"{API}/jobs/{{job_id}}/scale": {
+                "parameters": [job_id],
+                "post": {
+                    "summary": "Grow or shrink a running DiLoCo job (shrinking waits for a round boundary)",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["workers"],
+                                    "properties": {"workers": {"type": "integer", "minimum": 1}},
+                                }
+                            }
+                        },
+                    },
+                    "responses": {"200": job, **errors},
+                },
+            },
+            f"{API}/jobs/{{job_id}}/logs": {
+                "parameters": [job_id],
+                "get": {
+                    "summary": "The job's kept log lines",
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "properties": {"lines": {"type": "array", "items": _ref("LogLine")}},
+                            },
+                            "log lines, oldest first",
+                        ),
+                        **errors,
+                    },
+                },
+            },
+            f"{API}/workers": {
+                "get": {
+                    "summary": "Workers this scheduler holds leases on",
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "properties": {"workers": {"type": "array", "items": {"type": "object"}}},
+                            },
+                            "hypha.v1.WorkerView objects in proto JSON",
+                        )
+                    },
+                }
+            },
+            f"{API}/openapi.json": {
+                "get": {"summary": "This document", "responses": {"200": {"description": "OpenAPI"}}}
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics (any certificate of the network)",
+                    "responses": {"200": {"description": "text/plain; version=0.0.4"}},
+                }
+            },
+        },
+        "components": {
+            "securitySchemes": {"mtls": {"type": "mutualTLS", "description": "client or admin certificate"}},
+            "schemas": {
+                "JobState": {"type": "string", "enum": [s.value for s in JobState]},
+                "Job": {
+                    "type": "object",
+                    "required": ["job_id", "kind", "state"],
+                    "properties": {
+                        "job_id": {"type": "string"},
+                        "name": {"type": "string"},
+                        "kind": {"type": "string", "enum": ["diloco", "task", "inference"]},
+                        "state": _ref("JobState"),
+                        "reason": {"type": "string"},
+                        "created_at": {"type": "string", "format": "date-time"},
+                        "updated_at": {"type": "string", "format": "date-time"},
+                        "round": {"type": "integer"},
+                        "rounds": {"type": "integer"},
+                        "loss": {"type": "number"},
+                        "workers": {"type": "array", "items": {"type": "string"}},
+                        "attempt": {"type": "integer"},
+                        "exit_code": {"type": "integer"},
+                        "submitted_by": {"type": "string", "description": "peer id of the submitting client"},
+                        "spec": {
+                            "type": "object",
+                            "description": "hypha.v1.JobSpec in proto JSON (secrets redacted)",
+                        },
+                    },
+                },
+                "TaskJob": {
+                    "type": "object",
+                    "required": ["command"],
+                    "description": "A job file's [job] table for a task, as JSON.",
+                    "properties": {
+                        "name": {"type": "string"},
+                        "command": {"type": "string", "minLength": 1},
+                        "args": {"type": "array", "items": {"type": "string"}},
+                        "env": {
+                            "type": "object",
+                            "additionalProperties": {"type": ["string", "number", "boolean"]},
+                        },
+                        "gpus": {"type": "integer", "minimum": 0},
+                        "timeout_s": {"type": "number", "minimum": 0},
+                        "completion_marker": {"type": "string"},
+                        "selection_policy": {"type": "string"},
+                        "resources": {
+                            "type": "object",
+                            "properties": {
+                                f: {"type": "number", "minimum": 0}
+                                for f in ("cpu", "memory_gb", "storage_gb", "gpu", "gpu_memory_gb")
+                            },
+                        },
+                        "price": {
+                            "type": "object",
+                            "properties": {"bid": {"type": "number"}, "max": {"type": "number"}},
+                        },
+                        "retry": {
+                            "type": "object",
+                            "properties": {
+                                "max_attempts": {"type": "integer", "minimum": 1},
+                                "backoff_base_s": {"type": "number"},
+                                "backoff_cap_s": {"type": "number"},
+                                "retry_on_timeout": {"type": "boolean"},
+                                "retry_on_worker_loss": {"type": "boolean"},
+                            },
+                        },
+                    },
+                    "additionalProperties": False,
+                },
+                "JobSubmission": {
+                    "type": "object",
+                    "description": "Exactly one of toml, job, spec.",
+                    "minProperties": 1,
+                    "maxProperties": 1,
+                    "properties": {
+                        "toml": {"type": "string", "description": "a job file's text"},
+                        "job": {"type": "object", "description": "a job file's [job] table"},
+                        "spec": {"type": "object", "description": "hypha.v1.JobSpec in proto JSON"},
+                    },
+                },
+                "LogLine": {
+                    "type": "object",
+                    "properties": {
+                        k: {"type": "string"} for k in ("job_id", "stream", "line", "at", "worker_id")
+                    },
+                },
+                "Error": {
+                    "type": "object",
+                    "properties": {
+                        "error": {
+                            "type": "object",
+                            "properties": {"code": {"type": "string"}, "message": {"type": "string"}},
+                        }
+                    },
+                },
+            },
+        },
+    }
+
+
+__all__ = ["API", "openapi_document"]

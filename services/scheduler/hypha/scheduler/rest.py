@@ -1,0 +1,313 @@
+"""The REST mirror of the client API (aiohttp), plus ``/metrics``.
+
+Routes (JSON unless noted), the task routes first:
+
+- ``POST /api/v1/tasks``: submit a task job; the body is the job file's
+  ``[job]`` table as JSON (``{"command": "python", "args": [...], ...}``).
+- ``GET /api/v1/tasks/{id}``, ``DELETE /api/v1/tasks/{id}``, ``GET /api/v1/tasks``.
+- ``GET /api/v1/workers``.
+- ``POST /api/v1/jobs``: any job: a TOML body (``Content-Type:
+  application/toml``), or JSON ``{"toml": "..."}``, ``{"job": {...}}`` (the
+  table) or ``{"spec": {...}}`` (a ``hypha.v1.JobSpec`` in proto JSON).
+- ``GET /api/v1/jobs[?state=running&state=pending&kind=task]``,
+  ``GET /api/v1/jobs/{id}``, ``DELETE /api/v1/jobs/{id}``,
+  ``DELETE /api/v1/jobs?all=true``, ``GET /api/v1/jobs/{id}/logs``,
+  ``POST /api/v1/jobs/{id}/scale`` with ``{"workers": N}`` (a running DiLoCo job).
+- ``GET /api/v1/openapi.json``: the OpenAPI 3.1 description of all of this.
+- ``GET /metrics``: Prometheus text format.
+
+Authentication (``NOTE``): the REST server requires mutual TLS exactly like
+the gRPC server: a client certificate chaining to the network's trust
+bundle, not revoked (same CRL checker), with the role read from its OU.
+``/api/*`` accepts the client and admin roles, like the gRPC client API;
+``/metrics`` accepts any role of the network (give Prometheus an admin or
+client certificate). One identity model for both transports means one way
+to issue, revoke and audit access; bearer tokens would be a second one.
+Anonymous TLS connections fail in the handshake, before any handler runs.
+
+Every route calls the same ``SchedulerServicer`` methods the gRPC service does,
+so both transports agree by construction; errors map from the one error tree
+to HTTP statuses (INVALID_ARGUMENT 400, UNAUTHENTICATED 401,
+PERMISSION_DENIED 403, NOT_FOUND 404, FAILED_PRECONDITION/ALREADY_EXISTS 409,
+RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, anything else 500 without details)
+with a body ``{"error": {"code": "NOT_FOUND", "message": "..."}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+from google.protobuf import json_format
+
+from hypha import jobview
+from hypha.errors import (
+    HyphaError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+from hypha.jobfile import normalize_spec, parse_job_document, parse_job_table, parse_job_toml
+from hypha.net.https import request_identity, serve_app, server_ssl_context
+from hypha.net.metrics_server import exposition
+from hypha.net.tls import TlsMaterial
+from hypha.pki.identity import PeerIdentity
+from hypha.scheduler.lifecycle import JobState
+from hypha.scheduler.metrics import SchedulerMetrics
+from hypha.scheduler.openapi import API, openapi_document
+from hypha.scheduler.records import JobRecord
+from hypha.scheduler.servicer import OPERATORS, SchedulerServicer
+from hypha.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+_IDENTITY = web.RequestKey("identity", PeerIdentity)
+
+
+# ---- JSON views ------------------------------------------------------------------------------
+
+
+def job_json(job: JobRecord) -> dict[str, Any]:
+    """The one job JSON view (``hypha.jobview``), secrets redacted."""
+    return jobview.job_json(job.to_proto(redact=True))
+
+
+def _error(err: HyphaError) -> web.Response:
+    status = HTTP_STATUS.get(err.status, 500)
+    message = err.message if status != 500 else "internal error"
+    body = {"error": {"code": err.status.name, "message": message}}
+    return web.json_response(body, status=status)
+
+
+# ---- the server ------------------------------------------------------------------------------
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class RestServer:
+    """HTTPS (mutual TLS) server for the REST mirror; ``start`` binds and returns the port."""
+
+    def __init__(
+        self,
+        api: SchedulerServicer,
+        tls: TlsMaterial,
+        listen: str = "127.0.0.1:0",
+        *,
+        metrics: SchedulerMetrics | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        self.api = api
+        self.tls = tls
+        self.listen = listen
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        host = self.listen.rsplit(":", 1)[0].strip("[]")
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"https://{self.address}"
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._guard])
+        r = app.router
+        r.add_post(f"{API}/jobs", self.submit_job)
+        r.add_get(f"{API}/jobs", self.list_jobs)
+        r.add_delete(f"{API}/jobs", self.cancel_all)
+        r.add_get(f"{API}/jobs/{{job_id}}", self.get_job)
+        r.add_delete(f"{API}/jobs/{{job_id}}", self.cancel_job)
+        r.add_get(f"{API}/jobs/{{job_id}}/logs", self.get_logs)
+        r.add_post(f"{API}/jobs/{{job_id}}/scale", self.scale_job)
+        r.add_post(f"{API}/tasks", self.submit_task)
+        r.add_get(f"{API}/tasks", self.list_tasks)
+        r.add_get(f"{API}/tasks/{{job_id}}", self.get_task)
+        r.add_delete(f"{API}/tasks/{{job_id}}", self.cancel_task)
+        r.add_get(f"{API}/workers", self.list_workers)
+        r.add_get(f"{API}/openapi.json", self.openapi)
+        r.add_get("/metrics", self.prometheus)
+        return app
+
+    async def start(self) -> int:
+        if self._runner is not None:
+            raise RuntimeError("REST server already started")
+        self._runner, self.port = await serve_app(self.app(), self.listen, server_ssl_context(self.tls))
+        log.info("REST API on %s", self.url)
+        return self.port
+
+    async def stop(self) -> None:
+        """Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def __aenter__(self) -> RestServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- authentication and errors -----------------------------------------------------
+
+    def identity_of(self, request: web.Request) -> PeerIdentity:
+        return request_identity(request, self.tls)
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            peer = self.identity_of(request)
+            if request.path.startswith("/api/") and peer.role not in OPERATORS:
+                raise PermissionDeniedError(f"role {peer.role.value} may not use the client API")
+            request[_IDENTITY] = peer
+            return await handler(request)
+        except HyphaError as err:
+            return _error(err)
+        except web.HTTPException:
+            raise
+        except Exception:
+            log.exception("REST %s %s failed", request.method, request.path)
+            return web.json_response({"error": {"code": "INTERNAL", "message": "internal error"}}, status=500)
+
+    # ---- jobs ---------------------------------------------------------------------------
+
+    async def _json_body(self, request: web.Request) -> Any:
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise InvalidArgumentError(f"body: not valid JSON: {err}") from None
+
+    async def submit_job(self, request: web.Request) -> web.Response:
+        if request.content_type in ("application/toml", "text/toml", "text/plain"):
+            spec = parse_job_toml(await request.text())
+        else:
+            body = await self._json_body(request)
+            if not isinstance(body, dict):
+                raise InvalidArgumentError("body: must be a JSON object")
+            given = [key for key in ("toml", "job", "spec") if key in body]
+            if len(given) > 1:
+                raise InvalidArgumentError(f"body: give one of toml, job or spec, not {' and '.join(given)}")
+            if "toml" in body:
+                if not isinstance(body["toml"], str):
+                    raise InvalidArgumentError("toml: must be a string")
+                spec = parse_job_toml(body["toml"])
+            elif "spec" in body:
+                if not isinstance(body["spec"], dict):
+                    raise InvalidArgumentError("spec: must be a JSON object (hypha.v1.JobSpec in proto JSON)")
+                try:
+                    spec = json_format.ParseDict(body["spec"], common_pb2.JobSpec())
+                except json_format.ParseError as err:
+                    raise InvalidArgumentError(f"spec: {err}") from None
+                spec = normalize_spec(spec)
+            elif "job" in body:
+                spec = parse_job_document(body)
+            else:
+                raise InvalidArgumentError("body: give toml, job or spec")
+        job = await self.api.submit_spec(request[_IDENTITY], spec)
+        return web.json_response(job_json(job), status=201)
+
+    async def submit_task(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        spec = parse_job_table(body, "task", kind="task")
+        job = await self.api.submit_spec(request[_IDENTITY], spec)
+        return web.json_response(job_json(job), status=201)
+
+    async def _list(self, request: web.Request, kind: str) -> web.Response:
+        states = [JobState.parse(s) for s in request.query.getall("state", [])]
+        if not kind and "kind" in request.query:
+            kind = request.query["kind"]
+            if kind not in ("diloco", "task", "inference"):
+                raise InvalidArgumentError(f"kind: {kind!r} is not a job kind (diloco, task, inference)")
+        jobs = await self.api.list_jobs(request[_IDENTITY], states, kind)
+        return web.json_response({"jobs": [job_json(job) for job in jobs]})
+
+    async def list_jobs(self, request: web.Request) -> web.Response:
+        return await self._list(request, "")
+
+    async def list_tasks(self, request: web.Request) -> web.Response:
+        return await self._list(request, "task")
+
+    async def _get(self, request: web.Request, kind: str) -> JobRecord:
+        job = await self.api.get(request[_IDENTITY], request.match_info["job_id"])
+        if kind and job.kind != kind:
+            raise NotFoundError(f"no such task: {job.job_id} (it is a {job.kind} job)")
+        return job
+
+    async def get_job(self, request: web.Request) -> web.Response:
+        return web.json_response(job_json(await self._get(request, "")))
+
+    async def get_task(self, request: web.Request) -> web.Response:
+        return web.json_response(job_json(await self._get(request, "task")))
+
+    async def cancel_job(self, request: web.Request) -> web.Response:
+        cancelled = await self.api.cancel(request[_IDENTITY], request.match_info["job_id"])
+        return web.json_response({"cancelled": cancelled})
+
+    async def scale_job(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        workers = body.get("workers") if isinstance(body, dict) else None
+        if isinstance(workers, bool) or not isinstance(workers, int):
+            raise InvalidArgumentError('body: must be {"workers": N} with an integer N')
+        job = await self.api.scale(request[_IDENTITY], request.match_info["job_id"], workers)
+        return web.json_response(job_json(job))
+
+    async def cancel_task(self, request: web.Request) -> web.Response:
+        job = await self._get(request, "task")
+        cancelled = await self.api.cancel(request[_IDENTITY], job.job_id)
+        return web.json_response({"cancelled": cancelled})
+
+    async def cancel_all(self, request: web.Request) -> web.Response:
+        if request.query.get("all", "").lower() not in ("true", "1", "yes"):
+            raise InvalidArgumentError("all: set all=true to cancel every active job")
+        cancelled = await self.api.cancel(request[_IDENTITY], all_jobs=True)
+        return web.json_response({"cancelled": cancelled})
+
+    async def get_logs(self, request: web.Request) -> web.Response:
+        lines = [
+            json_format.MessageToDict(line, preserving_proto_field_name=True)
+            async for line in self.api.logs(request[_IDENTITY], request.match_info["job_id"])
+        ]
+        return web.json_response({"lines": lines})
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        views = await self.api.workers(request[_IDENTITY])
+        return web.json_response(
+            {"workers": [json_format.MessageToDict(v, preserving_proto_field_name=True) for v in views]}
+        )
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi_document())
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        if self.metrics is None:
+            return web.Response(text="")
+        await self.metrics.refresh()
+        return exposition(self.metrics.registry)

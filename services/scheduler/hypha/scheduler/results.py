@@ -1,0 +1,113 @@
+"""A finished DiLoCo job's result: pulled from the parameter server's worker into the state dir.
+
+The worker streams the result directory (``config.json`` + safetensors) with
+``PullTensors`` (kind ``result``); each file is written and verified by the
+one file-stream writer (``hypha.filestream``) into ``<job>.partial``, which
+replaces ``<state_dir>/results/<job_id>/`` only once every file arrived
+intact. ``FetchResult`` serves it from there.
+
+A worker decides what it sends, so the pull is bounded: ``StreamLimits``
+(``jobs.result_max_files`` / ``jobs.result_max_bytes``) cap what one result
+may bring onto the scheduler's disk, and going over fails the pull at once
+(no retry: the same worker would send the same result).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import grpc
+
+from hypha.errors import DataLossError, HyphaError
+from hypha.filestream import FileStreamLimitError, StreamLimits, receive_files
+from hypha.scheduler.config import JobsSection
+from hypha.scheduler.worker_calls import WorkerCalls, describe, is_refusal
+from hypha.v1 import common_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+
+RESULTS_DIR = "results"
+#: First and longest pause between two tries of a result pull.
+FIRST_RETRY_S = 0.2
+MAX_RETRY_S = 2.0
+#: Bounds of one result when the caller gives none (the scheduler's config defaults).
+DEFAULT_LIMITS = StreamLimits(max_files=1000, max_bytes=64 * 1024**3)
+
+
+def result_dir(state_dir: Path, job_id: str) -> Path:
+    """Where a job's result lives on the scheduler."""
+    return state_dir / RESULTS_DIR / job_id
+
+
+def result_limits(jobs: JobsSection) -> StreamLimits:
+    """The ``jobs.result_max_*`` keys as the limits of one pull."""
+    return StreamLimits(max_files=jobs.result_max_files, max_bytes=jobs.result_max_bytes)
+
+
+class ResultPullError(HyphaError):
+    """The result could not be pulled before the deadline, or the worker refused it."""
+
+
+async def pull_result(
+    calls: WorkerCalls,
+    worker_id: str,
+    job_id: str,
+    target: Path,
+    timeout_s: float,
+    clock: Callable[[], float] = time.monotonic,
+    limits: StreamLimits | None = None,
+) -> int:
+    """Copy the job's result from ``worker_id`` into ``target``; returns the bytes pulled.
+
+    Retried until ``timeout_s``: a worker that is still filing the finished
+    execution away answers NOT_FOUND for a moment, and a stream may break.
+    """
+    partial = target.with_name(target.name + ".partial")
+    deadline = clock() + timeout_s
+    delay = FIRST_RETRY_S
+    while True:
+        await asyncio.to_thread(_fresh_dir, partial)
+        try:
+            stream = calls.result_stream(worker_id, job_id, timeout_s=max(1.0, deadline - clock()))
+            files = await receive_files(_named_chunks(stream), partial, limits or DEFAULT_LIMITS)
+            if not files:
+                raise DataLossError("the result stream held no files")
+            break
+        except (grpc.aio.AioRpcError, HyphaError, OSError) as err:
+            if clock() + delay >= deadline or is_refusal(err) or isinstance(err, FileStreamLimitError):
+                await asyncio.to_thread(shutil.rmtree, partial, True)
+                raise ResultPullError(f"pulling the result from {worker_id} failed: {describe(err)}") from err
+            log.info("job %s: result pull from %s failed (%s); retrying", job_id, worker_id, describe(err))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_RETRY_S)
+    await asyncio.to_thread(_replace_dir, partial, target)
+    return sum(file.bytes for file in files)
+
+
+async def _named_chunks(
+    stream: AsyncIterator[worker_pb2.TensorChunk],
+) -> AsyncIterator[tuple[str, common_pb2.Chunk]]:
+    """``TensorChunk``s as (file name on a file's first chunk, chunk): the name is metadata ``path``."""
+    async for piece in stream:
+        chunk = piece.chunk
+        yield chunk.metadata.get("path", ""), chunk
+
+
+def _fresh_dir(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+
+
+def _replace_dir(source: Path, target: Path) -> None:
+    if target.exists():
+        shutil.rmtree(target)
+    source.rename(target)
+
+
+__all__ = ["DEFAULT_LIMITS", "RESULTS_DIR", "ResultPullError", "pull_result", "result_dir", "result_limits"]

@@ -1,0 +1,499 @@
+"""The job bridge: HTTP over a Unix socket between one executor process and its worker.
+
+Each execution gets its own aiohttp app bound to ``bridge.sock`` in its
+private work dir (0700, so only the worker's user reaches it). The
+executor asks for resources, slices, tensors and directives here and the
+worker does the networking: the scheduler through a ``SchedulerLink``,
+peers through the ``TensorExchange``, data nodes through a ``SliceSource``,
+the hub through a ``ResourceFetcher``. The contract is
+``docs/job-bridge.md``; the app serves it as OpenAPI at ``/v1/openapi.json``.
+
+The executor is not trusted with the worker's file system: every path it
+names is resolved (symlinks included) and must stay inside its work dir
+(403 otherwise); request bodies are small JSON documents with a hard size
+limit (413); errors are ``{"error": ...}`` with the status the error tree
+maps to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol, TypeVar
+
+from aiohttp import web
+from google.protobuf import json_format
+
+from hypha.directives import DirectiveKind
+from hypha.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+)
+from hypha.v1 import common_pb2, scheduler_pb2
+from hypha.worker.bridge_http import (
+    bind_unix_socket,
+    errors_middleware,
+    json_float,
+    json_int,
+    json_str,
+    query_fields,
+    resolve_inside,
+    tensor_response,
+)
+from hypha.worker.bridge_openapi import OPENAPI
+from hypha.worker.execution_state import ExecutionRecord, JobDispatch
+from hypha.worker.fetcher import ProviderInfo
+from hypha.worker.model_fetch import ResourceFetcher, ResourceSource
+from hypha.worker.scheduler_link import LogForwarder, SchedulerLink
+from hypha.worker.transfer import TensorExchange
+
+_T = TypeVar("_T")
+
+
+class ParameterServerRestored(UnavailableError):
+    """A tensor call to the parameter server was abandoned: the scheduler restored it (503)."""
+
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "bridge.sock"
+_LOG_STREAMS = frozenset({"stdout", "stderr", "system"})
+_REPORTED_STATES = frozenset({"running", "succeeded", "failed"})
+
+
+class SliceSource(Protocol):
+    """What ``SliceFetcher`` offers: verified local copies of data slices."""
+
+    async def fetch(self, dataset: str, index: int, providers: Sequence[ProviderInfo]) -> Path: ...
+
+    def prefetch(self, dataset: str, index: int, providers: Sequence[ProviderInfo]) -> bool: ...
+
+
+@dataclass(frozen=True)
+class BridgeLimits:
+    #: Largest request body (all bodies are small JSON documents).
+    max_body_bytes: int = 1 << 20
+    #: Longest an inbox or fetch request may wait.
+    max_wait_s: float = 3600.0
+    #: Ask the scheduler for the following slice as soon as one is handed out, and prefetch it.
+    slice_lookahead: bool = True
+
+
+@dataclass
+class BridgeContext:
+    """Everything one execution's bridge serves from."""
+
+    dispatch: JobDispatch
+    work_dir: Path
+    record: ExecutionRecord
+    link: SchedulerLink
+    exchange: TensorExchange
+    logs: LogForwarder
+    resources: ResourceFetcher | None = None
+    slices: SliceSource | None = None
+    limits: BridgeLimits = BridgeLimits()
+
+
+class JobBridge:
+    """One execution's bridge server; ``start()`` binds the socket, ``stop()`` closes it (idempotent)."""
+
+    def __init__(self, context: BridgeContext) -> None:
+        self.ctx = context
+        self.socket_path = context.work_dir / SOCKET_NAME
+        self.app = self._make_app()
+        self._runner: web.AppRunner | None = None
+        self._resource_locks: dict[str, asyncio.Lock] = {}
+        self._resources: dict[str, Path] = {}
+        self._slice_lock = asyncio.Lock()
+        self._used: list[int] = []
+        self._ahead: scheduler_pb2.NextSliceResponse | None = None
+        self._lookahead: asyncio.Task[None] | None = None
+        self._slice_files: dict[int, Path] = {}
+        #: Set (and replaced) at each rewiring: tensor calls to a peer that moved give up.
+        self._rewired = asyncio.Event()
+
+    def rewire(self, dispatch: JobDispatch) -> None:
+        """The execution's dispatch changed (``execution.is_rewiring``): serve the new one.
+
+        Tensor calls in flight to the parameter server (it was restored, here
+        or elsewhere) are abandoned: a send goes again to the restored server,
+        a fetch answers 503 at once so the executor asks again (and sends its
+        delta again first). Calls naming a former server reach the current one.
+        """
+        self.ctx.dispatch = dispatch
+        self._rewired.set()
+        self._rewired = asyncio.Event()
+
+    async def _unless_rewired(self, peer: str, call: Coroutine[Any, Any, _T]) -> _T:
+        """Await a tensor call to ``peer``; ``ParameterServerRestored`` if ``peer`` is the parameter
+        server and a rewiring came meanwhile (the call is cancelled)."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                rewired = asyncio.ensure_future(self._rewired.wait())
+                try:
+                    await asyncio.wait({task, rewired}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    rewired.cancel()
+                if task.done():
+                    return task.result()
+                dispatch = self.ctx.dispatch
+                if dispatch.is_parameter_server(peer):
+                    raise ParameterServerRestored(
+                        f"the parameter server was restored on {dispatch.parameter_server_id}; ask again"
+                    )
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    def _make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.ctx.limits.max_body_bytes, middlewares=[errors_middleware])
+        app.router.add_get("/v1/openapi.json", self._openapi)
+        app.router.add_get("/v1/job", self._job)
+        app.router.add_post("/v1/resources/fetch", self._fetch_resource)
+        app.router.add_get("/v1/slices/next", self._next_slice)
+        app.router.add_post("/v1/slices/used", self._slices_used)
+        app.router.add_post("/v1/progress", self._progress)
+        app.router.add_post("/v1/metrics", self._metrics)
+        app.router.add_post("/v1/log", self._log)
+        app.router.add_post("/v1/tensors/send", self._send)
+        app.router.add_get("/v1/tensors/inbox", self._inbox)
+        app.router.add_post("/v1/tensors/publish", self._publish)
+        app.router.add_get("/v1/tensors/fetch", self._fetch_tensors)
+        app.router.add_post("/v1/result", self._result)
+        app.router.add_post("/v1/status", self._status)
+        return app
+
+    async def start(self) -> Path:
+        runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await runner.setup()
+        sock = bind_unix_socket(self.socket_path)
+        try:
+            await web.SockSite(runner, sock).start()
+        except BaseException:
+            sock.close()
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        return self.socket_path
+
+    async def stop(self) -> None:
+        if self._lookahead is not None:
+            self._lookahead.cancel()
+            await asyncio.gather(self._lookahead, return_exceptions=True)
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+        self.socket_path.unlink(missing_ok=True)
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    @property
+    def job_id(self) -> str:
+        return self.ctx.dispatch.job_id
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        length = request.content_length
+        if length is not None and length > self.ctx.limits.max_body_bytes:
+            raise web.HTTPRequestEntityTooLarge(max_size=self.ctx.limits.max_body_bytes, actual_size=length)
+        raw = await request.read()
+        try:
+            data = json.loads(raw) if raw else {}
+        except ValueError:
+            raise InvalidArgumentError("the body is not JSON") from None
+        if not isinstance(data, dict):
+            raise InvalidArgumentError("the body must be a JSON object")
+        return data
+
+    async def _inside(self, raw: object, want: Literal["file", "dir", "any"]) -> Path:
+        return await asyncio.to_thread(resolve_inside, self.ctx.work_dir, raw, want)
+
+    def _wait(self, data: dict[str, Any], default: float) -> float:
+        return min(max(0.0, json_float(data, "timeout_s", default)), self.ctx.limits.max_wait_s)
+
+    # ---- handlers ------------------------------------------------------------------------
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(OPENAPI)
+
+    async def _job(self, request: web.Request) -> web.Response:
+        dispatch = self.ctx.dispatch
+        spec = common_pb2.JobSpec()
+        spec.CopyFrom(dispatch.spec)
+        # Credentials stay with the worker, which does the downloading.
+        if spec.WhichOneof("kind") == "diloco":
+            spec.diloco.model.token = ""
+            spec.diloco.preprocessor.token = ""
+        elif spec.WhichOneof("kind") == "inference":
+            spec.inference.model.token = ""
+        return web.json_response(
+            {
+                "job_id": dispatch.job_id,
+                "executor": dispatch.executor.value,
+                "spec": json_format.MessageToDict(spec, preserving_proto_field_name=True),
+                "work_dir": str(self.ctx.work_dir),
+                "batch_size": dispatch.batch_size,
+                "parameter_server_id": dispatch.parameter_server_id,
+                "trainer_ids": list(dispatch.trainer_ids),
+                "start_round": dispatch.start_round,
+                "attempt": dispatch.attempt,
+            }
+        )
+
+    async def _fetch_resource(self, request: web.Request) -> web.Response:
+        data = await self._body(request)
+        name = json_str(data, "resource")
+        if name not in ("model", "preprocessor"):
+            raise NotFoundError(f"unknown resource {name!r} (known: model, preprocessor)")
+        spec = self.ctx.dispatch.spec
+        if spec.WhichOneof("kind") == "inference" and name == "model":
+            source = ResourceSource.from_proto(spec.inference.model)
+        elif spec.WhichOneof("kind") != "diloco":
+            raise FailedPreconditionError(f"a {spec.WhichOneof('kind') or 'spec-less'} job has no {name}")
+        else:
+            source = ResourceSource.from_proto(
+                spec.diloco.model if name == "model" else spec.diloco.preprocessor
+            )
+        if source.empty:
+            raise NotFoundError(f"the job's spec names no {name} to fetch")
+        if self.ctx.resources is None:
+            raise UnavailableError("this worker cannot fetch models")
+        async with self._resource_locks.setdefault(name, asyncio.Lock()):
+            path = self._resources.get(name)
+            if path is None:
+                self.ctx.logs.line("system", f"fetching {name} {source.repository or source.local_path}")
+                path = await self.ctx.resources.fetch(source, self.ctx.work_dir / "resources" / name)
+                self._resources[name] = path
+        return web.json_response({"path": str(path)})
+
+    async def _next_slice(self, request: web.Request) -> web.Response:
+        if self.ctx.slices is None:
+            raise UnavailableError("this worker cannot fetch data slices")
+        async with self._slice_lock:
+            if self._lookahead is not None:
+                await asyncio.gather(self._lookahead, return_exceptions=True)
+                self._lookahead = None
+            response, self._ahead = self._ahead, None
+            if response is None:
+                response = await self._ask_slice()
+            if not response.available:
+                return web.Response(status=204)
+            providers = [ProviderInfo.from_proto(peer) for peer in response.providers]
+            fetched = await self.ctx.slices.fetch(response.dataset, response.index, providers)
+            path = await asyncio.to_thread(self._place_slice, response.index, fetched)
+            if self.ctx.limits.slice_lookahead:
+                self._lookahead = asyncio.create_task(self._look_ahead(), name=f"slices-{self.job_id}")
+        return web.json_response({"index": response.index, "epoch": response.epoch, "path": str(path)})
+
+    async def _ask_slice(self) -> scheduler_pb2.NextSliceResponse:
+        used, self._used = self._used, []
+        try:
+            return await self.ctx.link.next_slice(
+                scheduler_pb2.NextSliceRequest(job_id=self.job_id, used=used)
+            )
+        except BaseException:
+            self._used = used + self._used  # reported with the next request instead
+            raise
+
+    async def _look_ahead(self) -> None:
+        """Reserve the following slice now and start downloading it, so the next call is a local hit."""
+        try:
+            response = await self._ask_slice()
+        except Exception as err:
+            log.debug("job %s: slice lookahead failed: %r", self.job_id, err)
+            return
+        if response.available and self.ctx.slices is not None:
+            self._ahead = response
+            providers = [ProviderInfo.from_proto(peer) for peer in response.providers]
+            self.ctx.slices.prefetch(response.dataset, response.index, providers)
+
+    def _place_slice(self, index: int, fetched: Path) -> Path:
+        """The slice as a file of the work dir: a copy (through a hard link the job could write the cache)."""
+        root = self.ctx.work_dir.resolve()
+        if fetched.resolve().is_relative_to(root):
+            return fetched
+        target = root / "slices" / f"{index:06d}.safetensors"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)
+        shutil.copyfile(fetched, target)
+        self._slice_files[index] = target
+        return target
+
+    async def _slices_used(self, request: web.Request) -> web.Response:
+        data = await self._body(request)
+        indices = data.get("indices")
+        if not isinstance(indices, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in indices
+        ):
+            raise InvalidArgumentError("'indices' must be a list of non-negative integers")
+        self._used.extend(indices)
+        for index in indices:
+            placed = self._slice_files.pop(index, None)
+            if placed is not None:
+                placed.unlink(missing_ok=True)
+        return web.json_response({})
+
+    async def _progress(self, request: web.Request) -> web.Response:
+        data = await self._body(request)
+        report = scheduler_pb2.ProgressReport(
+            job_id=self.job_id,
+            round=json_int(data, "round"),
+            batches=json_int(data, "batches"),
+            samples=json_int(data, "samples"),
+            loss=json_float(data, "loss", 0.0),
+            batch_seconds=json_float(data, "batch_seconds", 0.0),
+            batch_size=json_int(data, "batch_size", 0),
+        )
+        directive = await self.ctx.link.progress(report)
+        return web.json_response(
+            {
+                "kind": (DirectiveKind.from_proto(directive.kind) or DirectiveKind.CONTINUE).value,
+                "batches": directive.batches,
+                "round": directive.round,
+            }
+        )
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        data = await self._body(request)
+        values = data.get("values")
+        if not isinstance(values, dict) or not all(
+            isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+            for k, v in values.items()
+        ):
+            raise InvalidArgumentError("'values' must map names to numbers")
+        # The worker adds what it measured itself: the job's tensor bytes so far (cumulative),
+        # once there are any (a task job's figures stay its own).
+        pushed, pulled = self.ctx.exchange.job_bytes(self.job_id)
+        measured = (
+            {"tensor_bytes_pushed": float(pushed), "tensor_bytes_pulled": float(pulled)}
+            if pushed or pulled
+            else {}
+        )
+        await self.ctx.link.metrics(
+            scheduler_pb2.MetricsReport(
+                job_id=self.job_id,
+                round=json_int(data, "round", 0),
+                values={**{k: float(v) for k, v in values.items()}, **measured},
+            )
+        )
+        return web.json_response({})
+
+    async def _log(self, request: web.Request) -> web.Response:
+        data = await self._body(request)
+        if "line" not in data:
+            raise InvalidArgumentError("'line' is required (it may be empty)")
+        stream = json_str(data, "stream", "system")
+        if stream not in _LOG_STREAMS:
+            raise InvalidArgumentError(f"'stream' must be one of {sorted(_LOG_STREAMS)}")
+        for line in json_str(data, "line", "").splitlines() or [""]:
+            self.ctx.logs.line(stream, line)
+        return web.json_response({})
+
+    async def _send(self, request: web.Request) -> web.Response:
+        data = await self._body(request)
+        path = await self._inside(data.get("path"), "file")
+        while True:
+            peer = self.ctx.dispatch.route(json_str(data, "peer"))
+            try:
+                accepted, message = await self._unless_rewired(
+                    peer,
+                    self.ctx.exchange.send(
+                        self.job_id,
+                        peer,
+                        self.ctx.dispatch.addresses_of(peer),
+                        json_str(data, "kind"),
+                        json_int(data, "round", 0),
+                        json_int(data, "samples", 0),
+                        path,
+                    ),
+                )
+            except ParameterServerRestored as restored:
+                self.ctx.logs.line("system", f"{restored.message}: sending {path.name} there")
+                continue
+            return web.json_response({"accepted": accepted, "message": message})
+
+    async def _inbox(self, request: web.Request) -> web.Response:
+        query = query_fields(request)
+        payload = await self.ctx.exchange.next_received(
+            self.job_id, json_str(query, "kind"), self._wait(query, 30.0)
+        )
+        if payload is None:
+            return web.Response(status=204)
+        return tensor_response(payload)
+
+    async def _publish(self, request: web.Request) -> web.Response:
+        data = await self._body(request)
+        path = await self._inside(data.get("path"), "file")
+        await self.ctx.exchange.publish(
+            self.job_id,
+            json_str(data, "kind"),
+            json_int(data, "round", 0),
+            path,
+            samples=json_int(data, "samples", 0),
+        )
+        return web.json_response({})
+
+    async def _fetch_tensors(self, request: web.Request) -> web.Response:
+        query = query_fields(request)
+        peer = self.ctx.dispatch.route(json_str(query, "peer"))
+        payload = await self._unless_rewired(
+            peer,
+            self.ctx.exchange.fetch(
+                self.job_id,
+                peer,
+                self.ctx.dispatch.addresses_of(peer),
+                json_str(query, "kind"),
+                json_int(query, "round", 0),
+                self._wait(query, 30.0),
+            ),
+        )
+        if payload is None:
+            return web.Response(status=204)
+        return tensor_response(payload)
+
+    async def _result(self, request: web.Request) -> web.Response:
+        data = await self._body(request)
+        path = await self._inside(data.get("path"), "dir")
+        if path == self.ctx.work_dir.resolve():
+            raise InvalidArgumentError("the result must be a directory below the work dir, not the work dir")
+        self.ctx.record.result_dir = str(path)
+        self.ctx.logs.line("system", f"result: {path.relative_to(self.ctx.work_dir.resolve())}")
+        return web.json_response({})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        data = await self._body(request)
+        state = json_str(data, "state")
+        if state not in _REPORTED_STATES:
+            raise InvalidArgumentError(f"'state' must be one of {sorted(_REPORTED_STATES)}")
+        message = json_str(data, "message", "")
+        self.ctx.record.report(state, message)
+        if state == "running":
+            await self.ctx.link.status(
+                scheduler_pb2.JobStatusReport(
+                    job_id=self.job_id,
+                    state=scheduler_pb2.EXECUTION_STATE_REPORT_RUNNING,
+                    message=message,
+                    attempt=self.ctx.dispatch.attempt,
+                )
+            )
+        return web.json_response({})
+
+
+__all__ = [
+    "SOCKET_NAME",
+    "BridgeContext",
+    "BridgeLimits",
+    "JobBridge",
+    "ParameterServerRestored",
+    "SliceSource",
+    "bind_unix_socket",
+    "resolve_inside",
+]

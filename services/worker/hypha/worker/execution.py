@@ -1,0 +1,193 @@
+"""One execution as the job manager holds it, and how it is reported to the scheduler.
+
+``Execution`` bundles what one run of an executor owns while it lives: its
+dispatch and state record (``execution_state``), work dir, plan, GPU slots,
+scheduler link, log forwarder, bridge, process and helper tasks. The job
+manager creates it on dispatch and drops it, after cleanup, into its list of
+finished executions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hypha import factories
+from hypha.market.resources import ExecutorKind
+from hypha.service import BackgroundTasks
+from hypha.v1 import scheduler_pb2
+from hypha.worker.bridge import JobBridge
+from hypha.worker.execution_state import ExecutionRecord, ExecutionState, JobDispatch
+from hypha.worker.executors import ExecutorPlan
+from hypha.worker.jobs_config import JobsSection
+from hypha.worker.scheduler_link import LogForwarder, SchedulerLink
+
+log = logging.getLogger(__name__)
+
+#: Output lines kept to explain a failure (the last stderr line goes into the message).
+TAIL_LINES = 20
+#: Helper task names the manager treats specially.
+PUMP_NAMES = ("stdout", "stderr")
+RUNNING_REPORT = "report-running"
+
+
+@dataclass(eq=False)
+class Execution:
+    dispatch: JobDispatch
+    record: ExecutionRecord
+    work_dir: Path
+    plan: ExecutorPlan
+    gpus: list[int]
+    threads: int
+    link: SchedulerLink
+    logs: LogForwarder
+    bridge: JobBridge | None = None
+    process: asyncio.subprocess.Process | None = None
+    supervisor: asyncio.Task[None] | None = None
+    exchange_open: bool = False
+    #: Set when the group leader has exited (the group may still be ending).
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set when cleanup is over and the execution left the live set.
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    helpers: BackgroundTasks = field(default_factory=BackgroundTasks)
+    #: The lease that expired under it while it waits for its scheduler to take it back ("": none).
+    orphaned: str = ""
+
+    def helper_tasks(self, *suffixes: str) -> list[asyncio.Task[object]]:
+        """The live helper tasks whose names end in one of ``suffixes``."""
+        return [task for task in self.helpers if task.get_name().endswith(suffixes)]
+
+    def last_stderr(self) -> str:
+        return next((line for line in reversed(self.tail) if line.startswith("stderr")), "")
+
+    async def exited_within(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the group leader to exit; whether it did."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.exited.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def environment(self, settings: JobsSection) -> dict[str, str]:
+        """The executor's whole environment: nothing of the worker's but ``env_passthrough``."""
+        dispatch = self.dispatch
+        env = {key: os.environ[key] for key in settings.env_passthrough if key in os.environ}
+        if settings.hf_endpoint:
+            env["HF_ENDPOINT"] = settings.hf_endpoint
+        threads = str(self.threads)
+        env.update(
+            {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TMPDIR": str(self.work_dir / "tmp")}
+        )
+        env.update(self.plan.env)
+        assert self.bridge is not None
+        env.update(
+            {
+                "HYPHA_BRIDGE_SOCKET": str(self.bridge.socket_path),
+                "HYPHA_WORK_DIR": str(self.work_dir),
+                "HYPHA_JOB_ID": dispatch.job_id,
+                "HYPHA_EXECUTOR": dispatch.executor.value,
+                "HYPHA_TORCH_THREADS": threads,
+                "CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in self.gpus),
+                factories.ENV_VAR: factories.to_env(settings.model_factories),
+            }
+        )
+        return env
+
+    async def report(self, report: scheduler_pb2.JobStatusReport, timeout_s: float) -> None:
+        """Tell the scheduler, retrying within ``timeout_s``; it also polls GetJobStatus."""
+        job_id = self.record.job_id
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    try:
+                        await self.link.status(report)
+                        return
+                    except Exception as err:
+                        log.info("job %s: status report failed (%r); retrying", job_id, err)
+                        await asyncio.sleep(0.5)
+        except TimeoutError:
+            log.warning("job %s: could not report %s to its scheduler", job_id, self.record.state.value)
+
+    def status_report(self) -> scheduler_pb2.JobStatusReport:
+        record = self.record
+        return scheduler_pb2.JobStatusReport(
+            job_id=record.job_id,
+            state=_REPORT_STATES[record.state],
+            exit_code=record.exit_code or 0,
+            message=record.message,
+            attempt=self.dispatch.attempt,
+        )
+
+
+_REPORT_STATES = {
+    ExecutionState.STARTING: scheduler_pb2.EXECUTION_STATE_REPORT_RUNNING,
+    ExecutionState.RUNNING: scheduler_pb2.EXECUTION_STATE_REPORT_RUNNING,
+    ExecutionState.STOPPING: scheduler_pb2.EXECUTION_STATE_REPORT_RUNNING,
+    ExecutionState.SUCCEEDED: scheduler_pb2.EXECUTION_STATE_REPORT_SUCCEEDED,
+    ExecutionState.FAILED: scheduler_pb2.EXECUTION_STATE_REPORT_FAILED,
+    ExecutionState.CANCELLED: scheduler_pb2.EXECUTION_STATE_REPORT_CANCELLED,
+    ExecutionState.TIMED_OUT: scheduler_pb2.EXECUTION_STATE_REPORT_TIMED_OUT,
+}
+
+
+def is_rewiring(running: JobDispatch, new: JobDispatch) -> bool:
+    """A second dispatch that only re-points a running execution (same lease, scheduler and attempt).
+
+    NOTE: two cases. The scheduler re-dispatches a job's parameter server
+    with a new trainer list after it replaced a lost trainer; the executor
+    reads the list again from ``GET /v1/job`` when a delta comes from a peer
+    it does not know, and adopts the newcomer in the lost trainer's place.
+    And it re-dispatches each trainer after it restored the parameter server
+    (``docs/fault-tolerance.md``): the bridge abandons the trainer's tensor
+    calls to the server in flight, so it asks again (and sends its delta
+    again), and routes those for a former server to the new one
+    (``JobDispatch.route``). A new attempt is a new execution, never a rewiring.
+    """
+    if (
+        new.lease_id != running.lease_id
+        or new.scheduler_id != running.scheduler_id
+        or new.attempt != running.attempt
+    ):
+        return False
+    if new.executor is ExecutorKind.PARAMETER_SERVER:
+        return new.trainer_ids != running.trainer_ids
+    return new.executor is ExecutorKind.DILOCO_TRAINER and bool(new.parameter_server_id)
+
+
+#: Executors a restarted scheduler takes back (DiLoCo); a task's lost attempt is retried instead.
+REATTACHABLE = frozenset({ExecutorKind.DILOCO_TRAINER, ExecutorKind.PARAMETER_SERVER})
+
+
+def is_reattach(execution: Execution, new: JobDispatch) -> bool:
+    """A dispatch that takes back a running DiLoCo execution whose lease expired.
+
+    NOTE: its scheduler was away (restarting) and did not renew the lease; the
+    execution kept running for ``reattach_grace_s``. The same scheduler (same
+    identity) dispatching the job here again, under whatever lease and attempt
+    it now holds, adopts the execution instead of starting a second one: the
+    trainer keeps its inner optimizer and data, the server its θ_global.
+    """
+    running = execution.dispatch
+    return (
+        bool(execution.orphaned)
+        and execution.record.state is ExecutionState.RUNNING
+        and new.executor in REATTACHABLE
+        and new.scheduler_id == running.scheduler_id
+    )
+
+
+__all__ = [
+    "PUMP_NAMES",
+    "REATTACHABLE",
+    "RUNNING_REPORT",
+    "TAIL_LINES",
+    "Execution",
+    "is_reattach",
+    "is_rewiring",
+]

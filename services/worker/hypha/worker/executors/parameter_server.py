@@ -1,0 +1,458 @@
+"""The ``parameter-server`` executor: averages the trainers' deltas and steps θ_global.
+
+    python -m hypha.worker.executors.parameter_server
+
+The worker starts it with the job bridge's socket in ``HYPHA_BRIDGE_SOCKET``.
+All arithmetic and round bookkeeping is ``hypha.diloco`` (``ParameterServerCore``:
+weighted average by samples, Nesterov outer step, quorum and deadline); this
+module wires it to the bridge:
+
+- start: fetch and build the job's model (θ_0 = its parameters), or resume
+  from the checkpoint in the work dir, or (a replacement parameter server,
+  dispatched with ``start_round`` > 0) restore the state the scheduler kept
+  and pushes into the "ps-state" inbox; publish θ_global as "global";
+- each delta from the bridge's inbox goes to the core; whenever a round
+  completes, the core is checkpointed and packed (``checkpoint.pack``) and the
+  pack published as "ps-state"; the round's figures go out as metrics, with
+  ``state_round``: the scheduler pulls the pack before it acknowledges them
+  (the round's commit, ``docs/fault-tolerance.md``); then the new θ_global
+  is published as that round's "update" and as the next round's "global"
+  (for late or replacement trainers);
+- after the job's rounds, the final model is written as a ``from_pretrained``
+  directory (``config.json`` + ``model.safetensors``, plus the preprocessor's
+  files when the job has one) and handed to the bridge as the job's result.
+
+Decisions (NOTE):
+- Checkpoint, and hand the state to the scheduler, before publishing: once a
+  trainer may have seen round N's update, a restart (here or on another
+  worker) must not redo round N. A restarted server re-publishes the last
+  update and the current global, since a crash can fall between the two.
+- A scheduler that cannot be reached does not stop the rounds: the metrics
+  call failing is logged and the update published anyway (liveness over the
+  state's durability for that round).
+- A delta from a peer the job does not know makes the server re-read the job:
+  the scheduler may have replaced a lost trainer, whose successor takes its
+  place (``ParameterServerCore.replace_worker``), or grown the job (``hypha
+  scale``), the newcomer joining with that delta (``set_workers``). While a
+  round waits on someone, the job is re-read too: a trainer the scheduler let
+  go (the job shrank) is no longer waited for.
+- Duplicates (a trainer re-sends while it waits for an update), late deltas and
+  malformed ones are logged and dropped; none of them stops the job.
+- Streaming (``streaming_fragments`` F >= 2): round r's deltas hold fragment
+  r mod F only, the core steps that fragment's outer optimizer, and round r's
+  "update" holds only that fragment's new θ_global (1/F of the bytes back too);
+  "global" stays the whole θ_global (for joining trainers and the result).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hypha import factories, models
+from hypha.diloco import checkpoint
+from hypha.diloco.outer import NesterovOuter
+from hypha.diloco.rounds import DeltaReceipt, ParameterServerCore, RoundUpdate
+from hypha.diloco.streaming import fragments_for
+from hypha.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    HyphaError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnavailableError,
+)
+from hypha.tensors.payload import decode_state, encode_state
+from hypha.v1 import common_pb2
+from hypha.worker.executors.diloco_trainer import configure_process
+from hypha.worker.executors.training import (
+    DELTA,
+    GLOBAL,
+    GLOBAL_ROUND_KEY,
+    UPDATE,
+    Bridge,
+    Received,
+    apply_global,
+    diloco_spec,
+    parameter_state,
+)
+
+logger = logging.getLogger("hypha.worker.executors.parameter_server")
+
+#: The DiLoCo paper's outer settings, used when the job leaves the outer optimizer unset.
+DEFAULT_OUTER_LR = 0.7
+DEFAULT_OUTER_MOMENTUM = 0.9
+DEFAULT_ROUND_TIMEOUT_S = 300.0
+#: Tensor kind of a packed state (``checkpoint.pack``): published each round, pushed to a replacement.
+STATE_KIND = "ps-state"
+#: Metrics value naming the round whose state was published (the scheduler pulls it).
+STATE_ROUND_KEY = "state_round"
+
+
+@dataclass
+class ServerOptions:
+    """Waits; the defaults suit a real cluster, tests shrink them."""
+
+    #: Longest single wait on the inbox (the loop also wakes at a round's deadline).
+    poll_s: float = 1.0
+    #: Published θ files kept on disk (trainers may still fetch a recent round's update).
+    keep_published: int = 4
+    #: Grace after the result before exiting, so trainers can still pull the last update.
+    linger_s: float = 5.0
+    #: How long a replacement server waits for the state the scheduler pushes.
+    restore_wait_s: float = 120.0
+    clock: Callable[[], float] = field(default=time.monotonic)
+
+
+class ParameterServer:
+    """One parameter-server process's job, driven entirely through ``bridge``."""
+
+    def __init__(self, bridge: Bridge, work_dir: Path | None = None, options: ServerOptions | None = None):
+        self.bridge = bridge
+        self.options = options or ServerOptions()
+        self._work_dir_arg = work_dir
+        self.core: ParameterServerCore | None = None
+        #: Every completed round's outcome since this process started, in order.
+        self.updates: list[RoundUpdate] = []
+        self.result_dir: Path | None = None
+
+    async def run(self) -> int:
+        """Serve the job's rounds, then publish the result; the process exit code."""
+        try:
+            await self.start()
+            while not self.finished:
+                received = await self.bridge.inbox(DELTA, timeout_s=self._wait_s())
+                if received is not None:
+                    await self.handle(received)
+                elif self._waiting():
+                    await self._follow_trainers()  # a trainer may have left (``hypha scale``)
+                await self.tick()
+            await self.finish()
+        except (HyphaError, OSError, RuntimeError, ValueError) as exc:
+            message = exc.message if isinstance(exc, HyphaError) else f"{type(exc).__name__}: {exc}"
+            return await self._fail(message)
+        if self.options.linger_s > 0:
+            await asyncio.sleep(self.options.linger_s)
+        return 0
+
+    async def _fail(self, message: str) -> int:
+        logger.error("parameter server failed: %s", message)
+        try:
+            await self.bridge.status("failed", message)
+        except Exception as exc:
+            logger.warning("could not report the failure to the bridge: %s", exc)
+        return 1
+
+    # ---- steps (public so tests can drive them one at a time) ------------------------------
+
+    async def start(self) -> ParameterServerCore:
+        job = await self.bridge.job()
+        self.spec = diloco_spec(job.spec)
+        self.work_dir = Path(self._work_dir_arg or job.work_dir)
+        self.rounds = int(self.spec.rounds)
+        if self.rounds < 1:
+            raise InvalidArgumentError("a DiLoCo job needs rounds >= 1")
+        trainers = [t for t in job.trainer_ids if t]
+        if not trainers:
+            raise InvalidArgumentError("the job names no trainers")
+        self.checkpoint_dir = self.work_dir / "ps-checkpoint"
+        self.published_dir = self.work_dir / "published"
+        self.published_dir.mkdir(parents=True, exist_ok=True)
+
+        model_dir = await self.bridge.fetch_resource("model")
+        self.model: nn.Module = await asyncio.to_thread(
+            models.build_model, self.spec.model, model_dir, factories_allowed=factories.from_env()
+        )
+        self.template = parameter_state(self.model)
+        local = None
+        if checkpoint.exists(self.checkpoint_dir):
+            local = await asyncio.to_thread(checkpoint.load, self.checkpoint_dir)
+        pushed = await self._pushed_state() if int(job.start_round) > 0 else None
+        if pushed is not None and (local is None or pushed.round_number >= local.round_number):
+            core = pushed
+            _adopt_trainers(core, trainers)
+            await asyncio.to_thread(checkpoint.save, self.checkpoint_dir, core)
+        elif local is not None:
+            core = local
+            logger.info("resumed from the checkpoint at round %d", core.round_number)
+        elif int(job.start_round) > 0:
+            raise FailedPreconditionError(
+                f"no state to resume round {job.start_round} from: the scheduler pushed none "
+                f"within {self.options.restore_wait_s:g} s"
+            )
+        else:
+            core = ParameterServerCore(
+                NesterovOuter(self.template, *_outer_settings(self.spec)),
+                trainers,
+                self.spec.round_timeout_s or DEFAULT_ROUND_TIMEOUT_S,
+                _quorum(self.spec),
+                fragments=fragments_for(self.template, int(self.spec.streaming_fragments)),
+            )
+        self.core = core
+        if core.fragments is not None:
+            logger.info("streaming DiLoCo: %d fragments, one synced per round", len(core.fragments))
+        path = await asyncio.to_thread(self._write_theta, core.round_number, core.outer.parameters())
+        if core.round_number > 0:
+            # The fragment of the last round has not moved since: its update, re-published.
+            update_path = await asyncio.to_thread(
+                self._write_update, core.round_number - 1, core.outer.parameters()
+            )
+            await self.bridge.publish_tensors(kind=UPDATE, round=core.round_number - 1, path=update_path)
+        await self.bridge.publish_tensors(kind=GLOBAL, round=core.round_number, path=path)
+        return core
+
+    @property
+    def finished(self) -> bool:
+        return self.core is not None and self.core.round_number >= self.rounds
+
+    async def handle(self, received: Received) -> DeltaReceipt | None:
+        """Give one received delta to the core; None when it was refused (and logged)."""
+        core = self._core()
+        peer, round_number = received.from_peer, int(received.round)
+        if received.kind != DELTA:
+            logger.warning("ignoring a %r payload from %s", received.kind, peer)
+            return None
+        try:
+            names = core.fragment_names(round_number)
+            template = self.template if names is None else {n: self.template[n] for n in names}
+            delta = decode_state(received.data, torch.float32, expected=template)
+            try:
+                receipt = core.add_delta(
+                    peer, round_number, int(received.samples), delta, self.options.clock()
+                )
+            except PermissionDeniedError:
+                if not await self._adopt_replacement(peer):
+                    raise
+                receipt = core.add_delta(
+                    peer, round_number, int(received.samples), delta, self.options.clock()
+                )
+        except AlreadyExistsError:
+            logger.info("duplicate delta from %s for round %d ignored", peer, round_number)
+            return None
+        except (PermissionDeniedError, FailedPreconditionError, InvalidArgumentError) as exc:
+            logger.warning("delta from %s for round %d refused: %s", peer, round_number, exc.message)
+            return None
+        if not receipt.accepted:
+            logger.info("delta from %s dropped: %s", peer, receipt.reason)
+        return receipt
+
+    async def tick(self) -> RoundUpdate | None:
+        """Complete the current round if it is ready: checkpoint, publish, report."""
+        core = self._core()
+        update = core.maybe_complete(self.options.clock())
+        if update is None:
+            return None
+        await asyncio.to_thread(checkpoint.save, self.checkpoint_dir, core)
+        state_path = await asyncio.to_thread(self._write_state, core)
+        await self.bridge.publish_tensors(kind=STATE_KIND, round=core.round_number, path=state_path)
+        logger.info(
+            "round %d complete: %d samples from %s%s",
+            update.round_number,
+            update.samples,
+            ", ".join(update.contributors),
+            f"; missing {', '.join(update.missing)}" if update.missing else "",
+        )
+        figures = {
+            "contributors": float(len(update.contributors)),
+            "missing": float(len(update.missing)),
+            "samples": float(update.samples),
+            "outer_steps": float(core.outer.steps),
+            STATE_ROUND_KEY: float(core.round_number),
+        }
+        try:
+            # The commit: the scheduler answers once it holds this round's state.
+            await self.bridge.metrics(update.round_number, figures)
+        except UnavailableError as exc:  # the rounds go on (see the module's NOTE)
+            logger.warning("metrics of round %d not delivered: %s", update.round_number, exc.message)
+        path = await asyncio.to_thread(self._write_theta, update.next_round, core.outer.parameters())
+        update_path = path
+        if update.fragment is not None:
+            update_path = await asyncio.to_thread(self._write_update, update.round_number, update.params)
+        await self.bridge.publish_tensors(kind=UPDATE, round=update.round_number, path=update_path)
+        await self.bridge.publish_tensors(kind=GLOBAL, round=update.next_round, path=path)
+        self.updates.append(update)
+        self._prune_published(update.next_round)
+        return update
+
+    async def finish(self) -> Path:
+        """Write θ_global as the job's model directory and hand it over as the result."""
+        core = self._core()
+        apply_global(self.model, core.outer.parameters())
+        result_dir = self.work_dir / "result"
+        if result_dir.exists():
+            await asyncio.to_thread(shutil.rmtree, result_dir)
+        await asyncio.to_thread(models.save_model_dir, self.model, result_dir, self.spec.model)
+        if _has_preprocessor(self.spec):
+            source = await self.bridge.fetch_resource("preprocessor")
+            await asyncio.to_thread(_copy_missing, source, result_dir)
+        await self.bridge.result(path=result_dir)
+        await self.bridge.status("succeeded", f"{core.round_number} rounds, {core.outer.steps} outer steps")
+        self.result_dir = result_dir
+        return result_dir
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _core(self) -> ParameterServerCore:
+        if self.core is None:
+            raise FailedPreconditionError("the parameter server has not started")
+        return self.core
+
+    def _wait_s(self) -> float:
+        """Until the round's deadline (so quorum completes on time), at most ``poll_s``."""
+        deadline = self._core().current_round.deadline
+        if not math.isfinite(deadline):
+            return self.options.poll_s
+        return min(self.options.poll_s, max(0.0, deadline - self.options.clock()) + 0.001)
+
+    def _write_theta(self, global_round: int, params: dict[str, torch.Tensor]) -> Path:
+        blob = encode_state(params, "fp32", metadata={GLOBAL_ROUND_KEY: str(global_round)})
+        path = self.published_dir / f"theta-{global_round:08d}.safetensors"
+        path.write_bytes(blob)
+        return path
+
+    def _write_update(self, round_number: int, params: dict[str, torch.Tensor]) -> Path:
+        """Round ``round_number``'s update: θ_global, or only the round's fragment when streaming."""
+        names = self._core().fragment_names(round_number)
+        if names is None:
+            return self._write_theta(round_number + 1, params)
+        blob = encode_state(
+            {n: params[n] for n in names}, "fp32", metadata={GLOBAL_ROUND_KEY: str(round_number + 1)}
+        )
+        path = self.published_dir / f"update-{round_number:08d}.safetensors"
+        path.write_bytes(blob)
+        return path
+
+    def _write_state(self, core: ParameterServerCore) -> Path:
+        path = self.published_dir / f"state-{core.round_number:08d}.safetensors"
+        path.write_bytes(checkpoint.pack(core))
+        return path
+
+    def _prune_published(self, newest: int) -> None:
+        keep = max(1, self.options.keep_published)
+        for prefix in ("theta-", "state-", "update-"):
+            for path in self.published_dir.glob(f"{prefix}*.safetensors"):
+                stem = path.stem.removeprefix(prefix)
+                if stem.isdigit() and int(stem) <= newest - keep:
+                    path.unlink(missing_ok=True)
+
+    async def _pushed_state(self) -> ParameterServerCore | None:
+        """The state the scheduler pushes to a replacement server (None: none came in time).
+
+        Only the dispatching scheduler may push this kind (the worker checks);
+        a damaged pack is logged and the next one awaited.
+        """
+        deadline = self.options.clock() + self.options.restore_wait_s
+        while (left := deadline - self.options.clock()) > 0:
+            received = await self.bridge.inbox(STATE_KIND, timeout_s=min(left, self.options.poll_s * 10))
+            if received is None:
+                continue
+            try:
+                saved = await asyncio.to_thread(checkpoint.unpack, received.data)
+            except HyphaError as exc:
+                logger.warning("state pushed by %s refused: %s", received.from_peer, exc.message)
+                continue
+            core = checkpoint.restore(saved)
+            logger.info(
+                "restored round %d from the state the scheduler kept (θ_global and momentum sha256 %s)",
+                core.round_number,
+                checkpoint.state_digest(core.outer.state_dict()),
+            )
+            return core
+        return None
+
+    async def _adopt_replacement(self, peer: str) -> bool:
+        """Re-read the job; True if ``peer`` is now one of its trainers (a replacement takes its
+        predecessor's place, a newcomer of ``hypha scale`` joins from the next round)."""
+        await self._follow_trainers(peer)
+        return peer in self._core().expected
+
+    def _waiting(self) -> bool:
+        """The current round has deltas and still waits for someone (who may have left)."""
+        current = self._core().current_round
+        return bool(current.arrived) and bool(current.missing)
+
+    async def _follow_trainers(self, delivered: str | None = None) -> None:
+        """Follow the job's trainer list: replacements take the places of the trainers gone,
+        trainers that left (``hypha scale``) are no longer waited for, and a newcomer joins once
+        its first delta (from ``delivered``) arrives: one still starting holds no round up."""
+        core = self._core()
+        job = await self.bridge.job()
+        current = {t for t in job.trainer_ids if t}
+        expected = core.expected
+        if not current or current == expected:
+            return
+        if delivered is None and len(current) >= len(expected):
+            return  # nobody left; newcomers join when they deliver
+        gone, new = sorted(expected - current), sorted(current - expected)
+        wanted = set(expected & current) | set(new[: len(gone)])
+        if delivered in current:
+            wanted.add(delivered)
+        added, removed = core.set_workers(wanted, delivering=delivered or "")
+        for old, newcomer in zip(gone, new, strict=False):
+            logger.info("trainer %s replaces %s", newcomer, old)
+        if added or removed:
+            logger.info("trainers now %s (joined %s, left %s)", sorted(current), added, removed)
+
+
+def _adopt_trainers(core: ParameterServerCore, trainers: list[str]) -> None:
+    """Trainers replaced since the state was saved take their predecessors' places."""
+    gone = sorted(core.expected - set(trainers))
+    new = sorted(set(trainers) - core.expected)
+    for old, newcomer in zip(gone, new, strict=False):
+        core.replace_worker(old, newcomer)
+        logger.info("trainer %s replaces %s", newcomer, old)
+
+
+def _outer_settings(spec: common_pb2.DilocoJobSpec) -> tuple[float, float]:
+    if not spec.HasField("outer_optimizer"):
+        return DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
+    outer = spec.outer_optimizer
+    return outer.learning_rate or DEFAULT_OUTER_LR, outer.momentum
+
+
+def _quorum(spec: common_pb2.DilocoJobSpec) -> float:
+    """The spec's quorum fraction; unset (0) means every trainer."""
+    return float(spec.quorum) if spec.quorum > 0 else 1.0
+
+
+def _has_preprocessor(spec: common_pb2.DilocoJobSpec) -> bool:
+    return spec.HasField("preprocessor") and bool(
+        spec.preprocessor.repository or spec.preprocessor.local_path
+    )
+
+
+def _copy_missing(source: Path, target: Path) -> None:
+    """Add the preprocessor's files beside the model, never overwriting the model's own."""
+    if not source.is_dir():
+        raise NotFoundError(f"preprocessor directory {source} does not exist")
+    for path in sorted(source.iterdir()):
+        if path.is_file() and not (target / path.name).exists():
+            shutil.copy2(path, target / path.name)
+
+
+async def _main() -> int:
+    from hypha.bridge_client import BridgeClient
+
+    async with BridgeClient.from_env() as client:
+        bridge: Bridge = client  # the real client satisfies the protocol the tests fake
+        return await ParameterServer(bridge).run()
+
+
+def main() -> None:
+    configure_process()
+    sys.exit(asyncio.run(_main()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,566 @@
+"""The job manager: one executor process per dispatched job, from work dir to cleanup.
+
+For each ``DispatchJob`` the manager
+
+1. refuses a model factory not on its allowlist (``hypha.factories``), checks
+   capacity (concurrent jobs, GPU slots: ``gpu_slots``) and turns the spec
+   into an ``ExecutorPlan`` (``executors``);
+2. prepares the job's private work dir (``work_dirs``), opens the job's
+   tensor inboxes and starts its bridge;
+3. starts the executor as the leader of a new process group
+   (``process_group``) inside its sandbox (``sandbox``, resolved once at
+   start, after the executors a previous run left behind were killed), with
+   the bridge socket, a thread count that shares the machine's cores, and the
+   assigned GPU slots in ``CUDA_VISIBLE_DEVICES``;
+   stdout and stderr are read line by line into the job's log forwarder;
+4. supervises it: timeout, completion marker, cancellation (SIGTERM to the
+   group, SIGKILL after ``stop_grace_s``), lease expiry (a DiLoCo
+   execution waits ``reattach_grace_s`` for its restarted scheduler first);
+5. when the leader exits, ends whatever is left of its group, settles the
+   final state (``execution_state``), reports it to the scheduler, keeps the
+   result dir, frees the GPU slots and cleans up the work dir per policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import signal
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hypha import factories
+from hypha.errors import (
+    AlreadyExistsError,
+    HyphaError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from hypha.market.resources import ExecutorKind
+from hypha.service import Service
+from hypha.worker import executors
+from hypha.worker.bridge import BridgeContext, JobBridge, SliceSource
+from hypha.worker.execution import (
+    PUMP_NAMES,
+    REATTACHABLE,
+    RUNNING_REPORT,
+    Execution,
+    is_reattach,
+    is_rewiring,
+)
+from hypha.worker.execution_state import ExecutionRecord, ExecutionState, JobDispatch, StopCause
+from hypha.worker.gpu_slots import GpuSlots
+from hypha.worker.jobs_config import JobsSection
+from hypha.worker.model_fetch import ResourceFetcher
+from hypha.worker.process_group import end_group, kill_orphans, pump_lines, signal_group, spawn_group_leader
+from hypha.worker.sandbox import Sandbox, resolve
+from hypha.worker.scheduler_link import LogForwarder, LogSink, SchedulerLink
+from hypha.worker.task_files import keep_outputs, unpack_files
+from hypha.worker.transfer import TensorExchange
+from hypha.worker.work_dirs import WorkDirs
+
+log = logging.getLogger(__name__)
+
+#: Builds the scheduler link of one execution (the dispatching scheduler, by id and addresses).
+LinkFactory = Callable[[JobDispatch], SchedulerLink]
+
+
+class JobManager(Service):
+    """Runs executions; ``start()``/``stop()`` (idempotent) bracket its life, ``async with`` too."""
+
+    def __init__(
+        self,
+        settings: JobsSection,
+        work_root: Path,
+        *,
+        exchange: TensorExchange,
+        link_factory: LinkFactory,
+        worker_id: str = "",
+        cpu_count: int | None = None,
+        gpu_count: int = 0,
+        slices: SliceSource | None = None,
+        resources: ResourceFetcher | None = None,
+        log_sink: LogSink | None = None,
+        clock: Callable[[], float] = time.time,
+        max_finished: int = 1000,
+        hidden: Sequence[Path] = (),
+    ) -> None:
+        """``hidden``: the worker's own files (key, config, state dir) no sandbox may show."""
+        self.settings = settings
+        self.work_root = Path(work_root)
+        self.dirs = WorkDirs(self.work_root)
+        self.exchange = exchange
+        self.link_factory = link_factory
+        self.worker_id = worker_id
+        self.cpu_count = max(1, cpu_count or os.cpu_count() or 1)
+        self.gpus = GpuSlots(
+            settings.gpus if settings.gpus is not None else gpu_count, settings.max_jobs_per_gpu
+        )
+        self.slices = slices
+        self.resources = resources or ResourceFetcher(settings.hub_settings(self.work_root))
+        self.log_sink = log_sink
+        self._clock = clock
+        self._max_finished = max_finished
+        self._active: dict[tuple[str, ExecutorKind], Execution] = {}
+        self._finished: OrderedDict[str, Execution] = OrderedDict()
+        self._accepting = False
+        self._stopped = False
+        self._hidden = (self.work_root, *hidden)
+        self.sandbox: Sandbox | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Resolve the sandbox, kill a previous run's executors, sweep old dirs; then accept jobs."""
+        self.sandbox = await asyncio.to_thread(
+            resolve, self.settings.sandbox, readonly=self.settings.sandbox_paths, hidden=self._hidden
+        )
+        killed = await asyncio.to_thread(kill_orphans, self.dirs.jobs_dir)
+        if killed:
+            log.warning("killed %d executor process(es) a previous run left behind", len(killed))
+        await asyncio.to_thread(self.dirs.create)
+        busy = {execution.work_dir for execution in self._active.values()}
+        await asyncio.to_thread(self.dirs.sweep, self.settings.retain_s, busy)
+        self._accepting = True
+
+    async def stop(self, reason: str = "worker shutting down") -> None:
+        """Stop intake, stop every execution (grace, then kill), wait for their cleanup."""
+        self._accepting = False
+        if self._stopped:
+            return
+        self._stopped = True
+        running = list(self._active.values())
+        for execution in running:
+            self._stop(execution, StopCause.CANCEL, reason)
+        bound = self.settings.stop_grace_s + self.settings.status_timeout_s + 10.0
+        waits = [execution.done.wait() for execution in running]
+        if waits:
+            try:
+                async with asyncio.timeout(bound):
+                    await asyncio.gather(*waits)
+            except TimeoutError:
+                log.warning("%d job(s) did not finish cleaning up within %.0f s", len(running), bound)
+
+    # ---- the API the servicer and the lease side call ------------------------------------
+
+    async def dispatch(self, dispatch: JobDispatch) -> ExecutionRecord:
+        """Start an execution; its record is returned once the process runs (or failed to start)."""
+        if not self._accepting:
+            raise UnavailableError("this worker is not accepting jobs (starting or shutting down)")
+        dispatch.validate()
+        if dispatch.spec.WhichOneof("kind") == "diloco" and dispatch.spec.diloco.model.torch_factory:
+            factories.check(dispatch.spec.diloco.model.torch_factory, self.settings.model_factories)
+        if dispatch.spec.WhichOneof("kind") == "inference" and dispatch.spec.inference.model.torch_factory:
+            factories.check(dispatch.spec.inference.model.torch_factory, self.settings.model_factories)
+        running = self._active.get(dispatch.key)
+        if running is not None:
+            if is_reattach(running, dispatch):
+                return self._reattach(running, dispatch)
+            if is_rewiring(running.dispatch, dispatch):
+                return self._rewire(running, dispatch)
+            raise AlreadyExistsError(f"job {dispatch.job_id} ({dispatch.executor.value}) already runs here")
+        if len(self._active) >= self.settings.max_concurrent_jobs:
+            raise ResourceExhaustedError(f"{len(self._active)} jobs already run on this worker")
+        work_dir = self.dirs.job_dir(dispatch.job_id, dispatch.executor.value)
+        plan = executors.plan(
+            dispatch.executor,
+            dispatch.spec,
+            work_dir,
+            commands=self.settings.executor_commands,
+            default_timeout_s=self.settings.default_task_timeout_s,
+            max_timeout_s=self.settings.max_task_timeout_s,
+        )
+        requirements = dispatch.requirements().minimum
+        wanted_gpus = math.ceil(requirements.gpu)
+        if dispatch.executor is ExecutorKind.TASK:
+            wanted_gpus = max(wanted_gpus, dispatch.spec.task.gpus)
+        gpus = self.gpus.acquire(wanted_gpus, dispatch.key)
+        now = self._clock()
+        record = ExecutionRecord(
+            dispatch.job_id, f"{dispatch.job_id}-{dispatch.attempt}-{uuid.uuid4().hex[:8]}", created_at=now
+        )
+        link = self.link_factory(dispatch)
+        execution = Execution(
+            dispatch=dispatch,
+            record=record,
+            work_dir=work_dir,
+            plan=plan,
+            gpus=gpus,
+            threads=self._threads(requirements.cpu),
+            link=link,
+            logs=LogForwarder(
+                link,
+                dispatch.job_id,
+                worker_id=self.worker_id,
+                attempt=dispatch.attempt,
+                executor=dispatch.executor.value,
+                max_pending=self.settings.log_queue_max,
+                max_line_bytes=self.settings.max_log_line_bytes,
+                sink=self.log_sink,
+                clock=self._clock,
+            ),
+        )
+        self._active[dispatch.key] = execution
+        execution.logs.start()
+        try:
+            await self._prepare(execution)
+            if not record.state.terminal:
+                await self._spawn(execution)
+        except Exception as err:
+            message = err.message if isinstance(err, HyphaError) else f"{type(err).__name__}: {err}"
+            log.warning("job %s failed to start: %s", dispatch.job_id, message)
+            if not record.state.terminal:
+                record.start_failed(self._clock(), f"failed to start: {message}")
+        if record.state.terminal:  # failed to start, or cancelled while starting
+            await self._finish(execution)
+            return record
+        execution.supervisor = asyncio.create_task(
+            self._supervise(execution), name=f"job-{dispatch.job_id}-{dispatch.executor.value}"
+        )
+        return record
+
+    def _rewire(self, execution: Execution, dispatch: JobDispatch) -> ExecutionRecord:
+        """Re-point a running execution; nothing restarts (see ``is_rewiring``)."""
+        running = execution.dispatch
+        if dispatch.executor is ExecutorKind.DILOCO_TRAINER:
+            former = (*running.former_parameter_servers, running.parameter_server_id)
+            former = tuple(p for p in dict.fromkeys(former) if p != dispatch.parameter_server_id)
+            dispatch = replace(dispatch, former_parameter_servers=former)
+            line = f"parameter server restored on {dispatch.parameter_server_id}"
+        else:
+            line = f"trainers now: {', '.join(dispatch.trainer_ids)}"
+        execution.dispatch = dispatch
+        if execution.bridge is not None:
+            execution.bridge.rewire(dispatch)
+        execution.logs.line("system", line)
+        return execution.record
+
+    def _reattach(self, execution: Execution, dispatch: JobDispatch) -> ExecutionRecord:
+        """Adopt the new lease (and attempt) of a restarted scheduler; nothing restarts."""
+        expired, execution.orphaned = execution.orphaned, ""
+        running = execution.dispatch
+        if (
+            dispatch.parameter_server_id != running.parameter_server_id
+            or dispatch.trainer_ids != running.trainer_ids
+        ):
+            self._rewire(execution, dispatch)  # the server or the trainers changed meanwhile
+        else:
+            execution.dispatch = dispatch
+            if execution.bridge is not None:
+                execution.bridge.ctx.dispatch = dispatch
+        line = f"taken back by its scheduler under lease {dispatch.lease_id} (lease {expired} expired)"
+        execution.logs.line("system", line)
+        log.info("job %s (%s) %s", dispatch.job_id, dispatch.executor.value, line)
+        return execution.record
+
+    def dispatched_by(self, job_id: str, executor: ExecutorKind) -> str | None:
+        """The scheduler that dispatched the live ``executor`` execution of ``job_id``, if one runs."""
+        execution = self._active.get((job_id, executor))
+        return None if execution is None else execution.dispatch.scheduler_id
+
+    def live_dispatches(self, job_id: str) -> list[JobDispatch]:
+        """The dispatches of ``job_id``'s live executions here (one per executor kind), for
+        ``job_scope``'s owner and member checks."""
+        return [
+            execution.dispatch for execution in self._active.values() if execution.dispatch.job_id == job_id
+        ]
+
+    async def cancel(self, job_id: str, reason: str, *, scheduler_id: str | None = None) -> bool:
+        """Stop every execution of ``job_id`` (only those ``scheduler_id`` dispatched, when given)."""
+        hit = False
+        for execution in list(self._active.values()):
+            dispatch = execution.dispatch
+            if dispatch.job_id != job_id:
+                continue
+            if scheduler_id is not None and dispatch.scheduler_id != scheduler_id:
+                continue
+            self._stop(execution, StopCause.CANCEL, reason or "cancelled")
+            hit = True
+        return hit
+
+    async def cancel_jobs_for_lease(self, lease_id: str, reason: str, *, expired: bool = False) -> list[str]:
+        """The lease side's hook: a lease ended, so every job under it stops. Returns their ids.
+
+        ``expired`` (nobody renewed it, rather than its holder releasing it): a
+        DiLoCo execution keeps running for ``reattach_grace_s`` in case its
+        scheduler is restarting, and stops then unless it was taken back
+        (``execution.is_reattach``); it is not among the ids returned.
+        """
+        stopped = []
+        grace_s = self.settings.reattach_grace_s
+        for execution in list(self._active.values()):
+            if execution.dispatch.lease_id != lease_id:
+                continue
+            if expired and grace_s > 0 and execution.dispatch.executor in REATTACHABLE:
+                execution.orphaned = lease_id
+                line = (
+                    f"lease {lease_id} expired: its scheduler is away; "
+                    f"running on up to {grace_s:g} s for it to take the job back"
+                )
+                execution.logs.line("system", line)
+                log.info("job %s (%s) %s", execution.dispatch.job_id, execution.dispatch.executor.value, line)
+                self._helper(execution, self._end_orphan(execution, lease_id, grace_s), "orphan")
+                continue
+            self._stop(execution, StopCause.CANCEL, reason or f"lease {lease_id} ended")
+            stopped.append(execution.dispatch.job_id)
+        return stopped
+
+    async def _end_orphan(self, execution: Execution, lease_id: str, grace_s: float) -> None:
+        """Stop an execution whose expired lease nobody took back within ``grace_s``."""
+        if await execution.exited_within(grace_s) or execution.orphaned != lease_id:
+            return
+        self._stop(
+            execution,
+            StopCause.CANCEL,
+            f"lease {lease_id} expired and its scheduler did not take the job back within {grace_s:g} s",
+        )
+
+    def get(self, job_id: str) -> ExecutionRecord:
+        """The job's execution here: a live one first, else the latest finished; NotFoundError if none."""
+        live = [e.record for e in self._active.values() if e.record.job_id == job_id]
+        if live:
+            return max(live, key=lambda record: record.created_at)
+        done = [e.record for e in self._finished.values() if e.record.job_id == job_id]
+        if done:
+            return max(done, key=lambda record: record.created_at)
+        raise NotFoundError(f"no job {job_id!r} on this worker")
+
+    def records(self) -> list[ExecutionRecord]:
+        return [e.record for e in self._active.values()] + [e.record for e in self._finished.values()]
+
+    def result_dir(self, job_id: str) -> Path | None:
+        """Where the job's result is (``/v1/result``), if it named one; see ``result_of``."""
+        found = self.result_of(job_id)
+        return None if found is None else found[0]
+
+    def result_of(self, job_id: str) -> tuple[Path, str] | None:
+        """(result dir, dispatching scheduler id) of the job's newest execution that named a result.
+
+        Live executions are searched too: the final status report (after which
+        a scheduler may pull the result) goes out just before an execution
+        leaves the live set, and the result is already in its kept place then.
+        """
+        executions = [*self._active.values(), *reversed(self._finished.values())]
+        for execution in executions:
+            record = execution.record
+            if record.job_id == job_id and record.result_dir and Path(record.result_dir).is_dir():
+                return Path(record.result_dir), execution.dispatch.scheduler_id
+        return None
+
+    async def wait(self, job_id: str, timeout_s: float | None = None) -> ExecutionRecord:
+        """Wait until no execution of ``job_id`` runs; its (latest) record."""
+        async with asyncio.timeout(timeout_s):
+            for execution in [e for e in self._active.values() if e.dispatch.job_id == job_id]:
+                await execution.done.wait()
+        return self.get(job_id)
+
+    # ---- preparing and starting -------------------------------------------------------------
+
+    def _threads(self, cpu: float) -> int:
+        if self.settings.threads_per_job is not None:
+            wanted = self.settings.threads_per_job
+        elif cpu > 0:
+            wanted = math.ceil(cpu)
+        else:
+            wanted = self.cpu_count // (len(self._active) + 1)  # this job included
+        return max(1, min(self.cpu_count, wanted))
+
+    async def _prepare(self, execution: Execution) -> None:
+        work_dir = execution.work_dir
+        await asyncio.to_thread(self.dirs.make_private, work_dir)
+        if execution.dispatch.executor is ExecutorKind.TASK:
+            task, bundle = execution.dispatch.spec.task, execution.dispatch.files_bundle
+            await asyncio.to_thread(unpack_files, task, bundle, work_dir)
+        self.exchange.open_job(execution.dispatch.job_id)
+        execution.exchange_open = True
+        bridge = JobBridge(
+            BridgeContext(
+                dispatch=execution.dispatch,
+                work_dir=work_dir,
+                record=execution.record,
+                link=execution.link,
+                exchange=self.exchange,
+                logs=execution.logs,
+                resources=self.resources,
+                slices=self.slices,
+                limits=self.settings.bridge_limits(),
+            )
+        )
+        await bridge.start()
+        execution.bridge = bridge
+
+    async def _spawn(self, execution: Execution) -> None:
+        sandbox = self.sandbox
+        assert sandbox is not None, "start() resolves the sandbox"
+        env = sandbox.environment(execution.environment(self.settings), execution.work_dir)
+        process, out_read, err_read = await spawn_group_leader(
+            sandbox.wrap(execution.plan.argv, execution.work_dir, env.get("PATH")), execution.work_dir, env
+        )
+        execution.process = process
+        if execution.record.state.terminal:  # cancelled while the process was being created
+            signal_group(process.pid, signal.SIGKILL)
+            await process.wait()
+            os.close(out_read)
+            os.close(err_read)
+            return
+        execution.record.spawned(self._clock())
+        for fd, stream in ((out_read, "stdout"), (err_read, "stderr")):
+            self._helper(execution, self._pump(execution, fd, stream), stream)
+        gpus = ",".join(map(str, execution.gpus)) or "none"
+        execution.logs.line(
+            "system",
+            f"started {execution.dispatch.executor.value} (pid {process.pid}, threads {execution.threads}, "
+            f"GPUs {gpus})",
+        )
+        self._helper(
+            execution,
+            execution.report(execution.status_report(), self.settings.status_timeout_s),
+            RUNNING_REPORT,
+        )
+
+    def _helper(self, execution: Execution, coro: Coroutine[Any, Any, None], name: str) -> None:
+        execution.helpers.spawn(coro, f"job-{execution.dispatch.job_id}-{name}")
+
+    async def _pump(self, execution: Execution, fd: int, stream: str) -> None:
+        await pump_lines(
+            fd, self.settings.max_log_line_bytes, lambda line: self._emit(execution, stream, line)
+        )
+
+    def _emit(self, execution: Execution, stream: str, raw: bytes) -> None:
+        text = raw.decode(errors="replace").rstrip("\r")
+        execution.tail.append(f"{stream}: {text}")
+        execution.logs.line(stream, text)
+
+    # ---- supervising and stopping ------------------------------------------------------------
+
+    async def _supervise(self, execution: Execution) -> None:
+        process = execution.process
+        assert process is not None
+        plan = execution.plan
+        if plan.timeout_s is not None:
+            self._helper(execution, self._timeout(execution, plan.timeout_s), "timeout")
+        if plan.marker is not None:
+            self._helper(execution, self._watch_marker(execution, plan.marker), "marker")
+        try:
+            code = await process.wait()
+            execution.exited.set()
+            # The leader is gone; nothing of its group may outlive the job.
+            await self._end_group(process.pid, execution)
+            pumps = execution.helper_tasks(*PUMP_NAMES)
+            if pumps:
+                await asyncio.wait(pumps, timeout=5.0)
+            marker_found = None
+            if plan.marker is not None:
+                marker_found = await asyncio.to_thread(plan.marker.exists)
+            if execution.dispatch.executor is ExecutorKind.TASK and (
+                marker_found if marker_found is not None else code == 0
+            ):
+                kept, missing = await asyncio.to_thread(
+                    keep_outputs, execution.dispatch.spec.task, execution.work_dir
+                )
+                if kept is not None:
+                    execution.record.result_dir = str(kept)
+                if missing:
+                    execution.record.report("failed", missing)
+                    marker_found = None if marker_found is None else False
+            state = execution.record.exited(code, self._clock(), marker_found=marker_found)
+            if state is ExecutionState.FAILED and execution.record.reported_state != "failed":
+                if last := execution.last_stderr():
+                    execution.record.message += f" ({last})"
+        except asyncio.CancelledError:
+            if execution.process is not None:
+                signal_group(execution.process.pid, signal.SIGKILL)
+            raise
+        finally:
+            await self._finish(execution)
+
+    async def _end_group(self, pgid: int, execution: Execution) -> None:
+        """The leader is gone: end the rest of its group (politely only if we were stopping it)."""
+        stopping = execution.record.state is ExecutionState.STOPPING
+        killed = await end_group(pgid, grace_s=self.settings.stop_grace_s if stopping else None)
+        if killed:
+            execution.logs.line("system", f"killed {killed} leftover process(es) of the job")
+
+    def _stop(self, execution: Execution, cause: StopCause, message: str) -> None:
+        record = execution.record
+        if not record.request_stop(cause, self._clock(), message):
+            return
+        execution.logs.line("system", f"stopping ({cause.value}): {message}")
+        assert execution.process is not None and self.sandbox is not None
+        signal_group(execution.process.pid, signal.SIGTERM, spare_leader=self.sandbox.wrapper_leads)
+        self._helper(execution, self._kill_after_grace(execution), "kill")
+
+    async def _kill_after_grace(self, execution: Execution) -> None:
+        if not await execution.exited_within(self.settings.stop_grace_s):
+            assert execution.process is not None
+            execution.logs.line(
+                "system", f"still running {self.settings.stop_grace_s:g} s after SIGTERM: SIGKILL"
+            )
+            signal_group(execution.process.pid, signal.SIGKILL)
+
+    async def _timeout(self, execution: Execution, timeout_s: float) -> None:
+        if not await execution.exited_within(timeout_s):
+            self._stop(execution, StopCause.TIMEOUT, f"ran past its timeout of {timeout_s:g} s")
+
+    async def _watch_marker(self, execution: Execution, marker: Path) -> None:
+        # NOTE: polling a file is the portable way (no inotify in the standard library); the
+        # interval is a setting and the check is one stat().
+        while not execution.exited.is_set():
+            if await asyncio.to_thread(marker.exists):
+                if not await execution.exited_within(self.settings.marker_exit_grace_s):
+                    self._stop(execution, StopCause.MARKER, "completion marker found; the task kept running")
+                return
+            await execution.exited_within(self.settings.marker_poll_s)
+
+    # ---- finishing ----------------------------------------------------------------------------
+
+    async def _finish(self, execution: Execution) -> None:
+        """Free everything the execution held; runs once, whatever happened."""
+        dispatch, record = execution.dispatch, execution.record
+        try:
+            self.gpus.release(dispatch.key)
+            for task in execution.helpers:
+                if not task.get_name().endswith(RUNNING_REPORT):
+                    task.cancel()
+            await asyncio.gather(*execution.helpers, return_exceptions=True)
+            if execution.bridge is not None:
+                await execution.bridge.stop()
+            if execution.exchange_open:
+                await self.exchange.close_job(dispatch.job_id)
+            if record.result_dir:
+                kept = await asyncio.to_thread(
+                    self.dirs.keep_result, Path(record.result_dir), dispatch.job_id, dispatch.executor.value
+                )
+                record.result_dir = str(kept)
+            execution.logs.line("system", f"{record.state.value}: {record.message}".rstrip(": "))
+            await execution.report(execution.status_report(), self.settings.status_timeout_s)
+            await execution.logs.close()
+            await execution.link.close()
+            succeeded = record.state is ExecutionState.SUCCEEDED
+            await asyncio.to_thread(self.dirs.clean, execution.work_dir, self.settings.cleanup, succeeded)
+        except Exception:
+            log.exception("job %s: cleanup failed", dispatch.job_id)
+        finally:
+            self._active.pop(dispatch.key, None)
+            self._finished[record.execution_id] = execution
+            while len(self._finished) > self._max_finished:
+                self._finished.popitem(last=False)
+            execution.done.set()
+            log.info(
+                "job %s (%s) %s: %s",
+                dispatch.job_id,
+                dispatch.executor.value,
+                record.state.value,
+                record.message,
+            )
+
+
+__all__ = ["JobManager", "LinkFactory"]

@@ -1,0 +1,170 @@
+"""``[worker.jobs]``: how the worker runs executor processes (its own module so config loading
+stays free of the job machinery's imports).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from hypha.worker.bridge import BridgeLimits
+    from hypha.worker.model_fetch import HubSettings
+    from hypha.worker.transfer import TransferSettings
+
+#: ``sandbox`` values; kept here (not imported from ``sandbox``) so config loading stays light.
+SandboxMode = Literal["auto", "bwrap", "none"]
+
+_DEFAULT_PASSTHROUGH = [
+    "PATH",
+    "HOME",
+    "USER",
+    "LANG",
+    "LC_ALL",
+    "TZ",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "LD_LIBRARY_PATH",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "HF_HUB_OFFLINE",
+    "HF_ENDPOINT",
+]
+
+
+class JobsSection(BaseModel):
+    """``[worker.jobs]``: how the worker runs executor processes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_concurrent_jobs: int = Field(16, ge=1, description="Executions running at once at most.")
+    max_jobs_per_gpu: int = Field(
+        1, ge=1, description="Executions that may share one GPU (each GPU is that many slots)."
+    )
+    gpus: int | None = Field(
+        None, ge=0, description="GPUs handed out as slots; default: the worker's GPU capacity."
+    )
+    threads_per_job: int | None = Field(
+        None,
+        ge=1,
+        description="Thread count (OMP/MKL/torch) of each executor; default: the job's CPU requirement, "
+        "else the cores divided among the running jobs.",
+    )
+    stop_grace_s: float = Field(
+        10.0, ge=0, description="Seconds between SIGTERM and SIGKILL when a job is stopped."
+    )
+    reattach_grace_s: float = Field(
+        60.0,
+        ge=0,
+        description="How long a DiLoCo execution whose lease expired (its scheduler is away, e.g. "
+        "restarting) keeps running for that scheduler to take it back; 0 stops it at once. "
+        "Task executions always stop when their lease ends.",
+    )
+    default_task_timeout_s: float | None = Field(
+        None, gt=0, description="Timeout of task jobs whose spec sets none (none: no timeout)."
+    )
+    max_task_timeout_s: float | None = Field(None, gt=0, description="Cap on any job's timeout.")
+    marker_poll_s: float = Field(1.0, gt=0, description="How often a task's completion marker is looked for.")
+    marker_exit_grace_s: float = Field(
+        10.0, ge=0, description="How long a task may keep running after its completion marker appeared."
+    )
+    cleanup: Literal["always", "on_success", "never"] = Field(
+        "on_success",
+        description="When a finished job's work dir is removed at once; kept dirs (a later attempt "
+        "resumes from their checkpoints) are removed after retain_s.",
+    )
+    retain_s: float = Field(86_400.0, ge=0, description="How long kept work dirs and results stay.")
+    executor_commands: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Command replacing a built-in executor program, by kind (diloco-trainer, "
+        "parameter-server).",
+    )
+    sandbox: SandboxMode = Field(
+        "auto",
+        description="How executors are confined (docs/security.md): 'bwrap' runs each in a bubblewrap "
+        "sandbox that sees only its work dir and the Python environment; 'none' runs them as this "
+        "worker's user, able to read its key; 'auto' is bwrap, and refuses to start where bwrap "
+        "cannot run.",
+    )
+    sandbox_paths: list[Path] = Field(
+        default_factory=list,
+        description="Extra paths executors may read inside the sandbox (e.g. a toolchain a task job "
+        "runs, or the home of a replaced executor command).",
+    )
+    model_factories: list[str] = Field(
+        default_factory=list,
+        description="Torch model factories ('pkg.module:factory', or 'pkg.module:*' for all of a "
+        "module) a DiLoCo job may name, besides the built-in ones; any other is refused before "
+        "anything is imported.",
+    )
+    env_passthrough: list[str] = Field(
+        default_factory=lambda: list(_DEFAULT_PASSTHROUGH),
+        description="Worker environment variables executors inherit; nothing else is inherited.",
+    )
+    hf_endpoint: str | None = Field(None, description="Hugging Face hub endpoint (default: HF_ENDPOINT).")
+    hf_token: str | None = Field(None, description="Hub token used when a job's spec carries none.")
+    local_model_roots: list[Path] = Field(
+        default_factory=list,
+        description="Directories a job's local model/preprocessor path may point into (none: local "
+        "paths are refused).",
+    )
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest job bridge request body.")
+    max_wait_s: float = Field(3600.0, gt=0, description="Longest inbox or tensor fetch wait on the bridge.")
+    slice_lookahead: bool = Field(True, description="Reserve and prefetch the next data slice early.")
+    inbox_max: int = Field(16, ge=1, description="Received tensor payloads queued per job and kind.")
+    max_tensor_bytes: int = Field(8 << 30, ge=1, description="Largest tensor payload received.")
+    tensor_memory_bytes: int = Field(
+        64 << 20,
+        ge=0,
+        description="Received tensor payloads larger than this are spooled to disk as they arrive, "
+        "not held in memory.",
+    )
+    inbox_max_bytes: int = Field(
+        16 << 30,
+        ge=1,
+        description="Bytes of received tensor payloads queued per job (in memory or spooled); "
+        "further pushes wait, then fail with RESOURCE_EXHAUSTED.",
+    )
+    slice_cache_bytes: int = Field(
+        20 << 30,
+        ge=1,
+        description="Size of the worker's data slice cache; the least recently used slices are "
+        "evicted beyond it.",
+    )
+    send_attempts: int = Field(4, ge=1, description="Attempts of one tensor send when streams break.")
+    log_queue_max: int = Field(10_000, ge=1, description="Log lines queued per job for the scheduler.")
+    max_log_line_bytes: int = Field(16_384, ge=80, description="Longer log lines are cut.")
+    status_timeout_s: float = Field(10.0, gt=0, description="Time spent reporting a job's final state.")
+
+    def transfer_settings(self, spool_dir: Path | None = None) -> TransferSettings:
+        from hypha.worker.transfer import TransferSettings
+
+        return TransferSettings(
+            inbox_max=self.inbox_max,
+            max_payload_bytes=self.max_tensor_bytes,
+            memory_payload_bytes=self.tensor_memory_bytes,
+            inbox_max_bytes=self.inbox_max_bytes,
+            spool_dir=spool_dir,
+            send_attempts=self.send_attempts,
+        )
+
+    def bridge_limits(self) -> BridgeLimits:
+        from hypha.worker.bridge import BridgeLimits
+
+        return BridgeLimits(
+            max_body_bytes=self.max_request_bytes,
+            max_wait_s=self.max_wait_s,
+            slice_lookahead=self.slice_lookahead,
+        )
+
+    def hub_settings(self, work_root: Path) -> HubSettings:
+        from hypha.worker.model_fetch import HubSettings
+
+        return HubSettings(
+            cache_dir=work_root / "hub-cache",
+            endpoint=self.hf_endpoint,
+            token=self.hf_token,
+            local_roots=tuple(self.local_model_roots),
+        )

@@ -1,0 +1,105 @@
+"""Files as chunk streams for the tensor exchange: read, hashed and wrapped off the event loop.
+
+Split from ``transfer`` so that the exchange module is about inboxes, publications
+and sending; these are the byte-moving helpers it (and the worker's result
+stream) uses. Each block is read and hashed in one worker thread call, and the
+chunk is filled inside the message that goes on the wire, since wrapping a
+finished ``Chunk`` into a ``TensorChunk`` would copy its bytes once more
+(docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hypha.errors import NotFoundError
+from hypha.tensors.chunks import DEFAULT_CHUNK_SIZE
+from hypha.tensors.payload import CONTENT_TYPE
+from hypha.v1 import common_pb2, worker_pb2
+
+M = TypeVar("M", common_pb2.Chunk, worker_pb2.TensorChunk)
+
+
+async def file_chunks(
+    path: Path,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    content_type: str = CONTENT_TYPE,
+    metadata: dict[str, str] | None = None,
+) -> AsyncIterator[common_pb2.Chunk]:
+    """The chunks of a file, read block by block (never mmapped: a writer truncating it must not
+    crash the worker), hashed as they go; the last carries the sha256."""
+    async for chunk, _ in file_messages(path, common_pb2.Chunk, _itself, chunk_size, content_type, metadata):
+        yield chunk
+
+
+def _itself(chunk: common_pb2.Chunk) -> common_pb2.Chunk:
+    return chunk
+
+
+def tensor_chunk(message: worker_pb2.TensorChunk) -> common_pb2.Chunk:
+    return message.chunk
+
+
+def _read_hashed(handle: Any, size: int, digest: Any) -> bytes:
+    """One block read and hashed in a worker thread (hashlib drops the GIL for large blocks)."""
+    data: bytes = handle.read(size)
+    digest.update(data)
+    return data
+
+
+async def file_messages(
+    path: Path,
+    new: Callable[[], M],
+    chunk_of: Callable[[M], common_pb2.Chunk],
+    chunk_size: int,
+    content_type: str = CONTENT_TYPE,
+    metadata: dict[str, str] | None = None,
+) -> AsyncIterator[tuple[M, bool]]:
+    """(message, is_first) for each block of a file; the chunk is filled inside the message
+    itself (``chunk_of``), because wrapping a finished Chunk would copy its bytes once more."""
+    try:
+        handle = await asyncio.to_thread(open, path, "rb")
+    except FileNotFoundError:
+        raise NotFoundError(f"tensor file {path.name} is gone") from None
+    try:
+        total = os.fstat(handle.fileno()).st_size
+        digest = hashlib.sha256()
+        offset = 0
+        while True:
+            data = (
+                await asyncio.to_thread(_read_hashed, handle, chunk_size, digest) if offset < total else b""
+            )
+            message = new()
+            chunk = chunk_of(message)
+            chunk.offset = offset
+            chunk.data = data
+            if offset == 0:
+                chunk.total_size = total
+                chunk.content_type = content_type
+                if metadata:
+                    chunk.metadata.update(metadata)
+            first = offset == 0
+            offset += len(data)
+            if offset >= total or not data:
+                chunk.last = True
+                chunk.sha256 = digest.hexdigest()
+                yield message, first
+                return
+            yield message, first
+    finally:
+        handle.close()
+
+
+def read_head(path: Path) -> bytes:
+    """Enough of a safetensors file to parse its header (8-byte length, then the JSON)."""
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            return head
+        return head + handle.read(min(int.from_bytes(head, "little"), 100_000_000))

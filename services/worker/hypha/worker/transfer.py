@@ -1,0 +1,550 @@
+"""Tensor payloads between workers: pushes into per-job inboxes, pulls of published files.
+
+A trainer's delta reaches the parameter server as a ``Worker.PushTensors``
+stream; the update (and the current global state, for a late or replacement
+trainer) goes back by ``Worker.PullTensors``, which the PS worker holds open
+until the round is published. Either way the payload travels as ≤ 1 MiB
+``Chunk`` messages with a sha256 over the whole, and the receiving side uses
+nothing before the last chunk verified: a broken stream leaves no trace in an
+inbox and is simply sent again.
+
+Memory is bounded: a payload larger than ``memory_payload_bytes`` is written to
+a spool file as its chunks arrive (``TensorPayload.path``) instead of being held
+whole, and the payloads queued for a job (in memory or spooled) may hold at most
+``inbox_max_bytes``: a push that would go over waits before its first byte is
+kept (gRPC flow control holds the sender), then fails with RESOURCE_EXHAUSTED
+naming the setting. Reading and hashing run in worker threads, off the event
+loop (docs/performance.md).
+
+``TensorExchange`` is the one object per worker that owns the inboxes
+(bounded queues per job and kind), the publications, and the sending side
+(direct channel or relay through ``PeerConnector``, with jittered retries).
+The gRPC servicer and the job bridge both drive it; it knows no HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+
+from hypha.errors import (
+    RETRYABLE_CODES,
+    DataLossError,
+    HyphaError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from hypha.net.backoff import Backoff
+from hypha.tensors.chunks import DEFAULT_CHUNK_SIZE, ChunkAssembler, feed_off_loop
+from hypha.tensors.payload import CONTENT_TYPE, read_metadata
+from hypha.v1 import worker_pb2, worker_pb2_grpc
+from hypha.worker.tensor_files import file_chunks, file_messages, read_head, tensor_chunk
+
+log = logging.getLogger(__name__)
+
+_KIND = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+#: gRPC's length prefix on every message (1 flag byte, 4 length bytes).
+GRPC_PREFIX_BYTES = 5
+
+
+def wire_bytes(message: worker_pb2.TensorChunk) -> int:
+    """A message's bytes on the wire: the serialized message and gRPC's prefix (not HTTP/2 or TLS)."""
+    return message.ByteSize() + GRPC_PREFIX_BYTES
+
+
+class ChannelSource(Protocol):
+    """What ``PeerConnector`` offers: a channel to a peer (direct or relayed), and forgetting it."""
+
+    async def channel(self, peer_id: str, addresses: list[str]) -> Any: ...
+
+    async def invalidate(self, peer_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """Bounds of the exchange; every wait and every buffer has one."""
+
+    #: Complete payloads waiting per (job, kind) before pushes wait, then get RESOURCE_EXHAUSTED.
+    inbox_max: int = 16
+    #: How long a completed push waits for room in a full inbox.
+    inbox_put_timeout_s: float = 30.0
+    #: Largest payload accepted (declared size, checked before the first byte is kept).
+    max_payload_bytes: int = 8 << 30
+    #: Larger payloads are spooled to a file in ``spool_dir`` as they arrive, not held in memory.
+    memory_payload_bytes: int = 64 << 20
+    #: Where spooled payloads go (None: a ``hypha-tensor-spool`` dir in the system temp dir).
+    spool_dir: Path | None = None
+    #: Bytes of complete payloads queued per job (memory and spool) before pushes wait, then fail.
+    inbox_max_bytes: int = 16 << 30
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    #: Attempts of one send when the stream breaks or the peer is unreachable.
+    send_attempts: int = 4
+    backoff_base_s: float = 0.2
+    backoff_cap_s: float = 5.0
+    #: Deadline of one PushTensors call (a whole payload).
+    push_timeout_s: float = 600.0
+    #: Rounds kept published per (job, kind); older ones are forgotten.
+    keep_published: int = 4
+    #: Longest a PullTensors call waits for its round when the caller set no deadline.
+    max_pull_wait_s: float = 3600.0
+
+
+@dataclass(frozen=True)
+class TensorPayload:
+    """A complete, verified payload and who sent it (from the TLS session, not the message).
+
+    Either ``data`` holds it, or (larger than ``memory_payload_bytes``) ``path`` names a spool
+    file that the consumer owns: ``read()`` returns the bytes either way, ``release()`` deletes
+    the file once it has been used.
+    """
+
+    job_id: str
+    kind: str
+    round: int
+    samples: int
+    from_peer: str
+    data: bytes = field(default=b"", repr=False)
+    path: Path | None = None
+    size: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        return self.size if self.size >= 0 else len(self.data)
+
+    def read(self) -> bytes:
+        """The payload's bytes (read from the spool file when there is one)."""
+        return self.path.read_bytes() if self.path is not None else self.data
+
+    def release(self) -> None:
+        """Delete the spool file, if any (idempotent)."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class _Published:
+    path: Path
+    samples: int
+
+
+class _Job:
+    def __init__(self, inbox_max: int) -> None:
+        self.inbox_max = inbox_max
+        self.inboxes: dict[str, asyncio.Queue[TensorPayload]] = {}
+        self.published: dict[str, dict[int, _Published]] = {}
+        self.changed = asyncio.Condition()
+        self.users = 0
+        #: Bytes of the payloads queued or being received, against ``inbox_max_bytes``.
+        self.held_bytes = 0
+        self.room = asyncio.Condition()
+        #: Bytes of the streams this worker opened for the job: pushes sent, pulls received.
+        #: Every stream has one opener, so summed over a job's workers each byte counts once.
+        self.pushed_bytes = 0
+        self.pulled_bytes = 0
+
+    def inbox(self, kind: str) -> asyncio.Queue[TensorPayload]:
+        queue = self.inboxes.get(kind)
+        if queue is None:
+            queue = self.inboxes[kind] = asyncio.Queue(maxsize=self.inbox_max)
+        return queue
+
+
+def check_kind(kind: str) -> str:
+    if not _KIND.match(kind):
+        raise InvalidArgumentError(f"tensor kind {kind!r} must match {_KIND.pattern}")
+    return kind
+
+
+class TensorExchange:
+    """Inboxes, publications and sending for every job on this worker."""
+
+    def __init__(self, connector: ChannelSource | None, settings: TransferSettings | None = None) -> None:
+        self.connector = connector
+        self.settings = settings or TransferSettings()
+        self._jobs: dict[str, _Job] = {}
+        if self.settings.spool_dir is not None and self.settings.spool_dir.is_dir():
+            for stale in self.settings.spool_dir.glob(".spool-*.part"):  # left by a crash
+                stale.unlink(missing_ok=True)
+        #: Counters for operators and tests.
+        self.stats: dict[str, int] = {"received": 0, "refused": 0, "sent": 0, "send_retries": 0, "served": 0}
+        #: Tensor bytes on the wire over every job (``wire_bytes``): pushed (sent) and pulled (fetched).
+        self.bytes_total: dict[str, int] = {"pushed": 0, "pulled": 0}
+        #: PullTensors calls waiting for their round right now.
+        self.pulls_waiting = 0
+
+    # ---- jobs -------------------------------------------------------------------------
+
+    def open_job(self, job_id: str) -> None:
+        """Accept pushes and pulls for ``job_id`` (counted: co-located executions share it)."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            job = self._jobs[job_id] = _Job(self.settings.inbox_max)
+        job.users += 1
+
+    async def close_job(self, job_id: str) -> None:
+        """Forget the job once its last execution ended; waiting pulls end with NOT_FOUND."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return
+        job.users -= 1
+        if job.users > 0:
+            return
+        del self._jobs[job_id]
+        for queue in job.inboxes.values():
+            while not queue.empty():
+                queue.get_nowait().release()
+        async with job.changed:
+            job.changed.notify_all()
+
+    def job_bytes(self, job_id: str) -> tuple[int, int]:
+        """(pushed, pulled): the job's tensor bytes this worker sent and fetched so far."""
+        job = self._jobs.get(job_id)
+        return (job.pushed_bytes, job.pulled_bytes) if job is not None else (0, 0)
+
+    def _job(self, job_id: str) -> _Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFoundError(f"no job {job_id!r} runs on this worker")
+        return job
+
+    # ---- receiving: PushTensors -----------------------------------------------------------
+
+    async def receive(
+        self, messages: AsyncIterator[worker_pb2.TensorChunk], from_peer: str
+    ) -> worker_pb2.PushTensorsResponse:
+        """Assemble one pushed payload and queue it; raises (nothing queued) if the stream breaks."""
+        assembler = self._assembler()
+        first: worker_pb2.TensorChunk | None = None
+        job: _Job | None = None
+        reserved = 0
+        queued = False
+        try:
+            try:
+                async for message in messages:
+                    if first is None:
+                        first = message
+                        check_kind(message.kind)
+                        job = self._job(message.job_id)  # refuse before receiving gigabytes for nobody
+                        reserved = await self._reserve(job, message.job_id, message.chunk.total_size)
+                    await feed_off_loop(assembler, message.chunk)
+                if first is None:
+                    raise InvalidArgumentError("empty tensor stream")
+                payload = await self._complete(
+                    assembler, first.job_id, first.kind, first.round, first.samples, from_peer
+                )
+            except HyphaError as err:
+                self.stats["refused"] += 1
+                log.info("tensor push from %s refused: %s", from_peer, err.message)
+                raise
+            assert job is not None
+            queue = job.inbox(first.kind)
+            try:
+                async with asyncio.timeout(self.settings.inbox_put_timeout_s):
+                    await queue.put(payload)
+            except TimeoutError:
+                payload.release()
+                raise ResourceExhaustedError(
+                    f"inbox of job {first.job_id} ({first.kind}) is full "
+                    f"(jobs.inbox_max = {self.settings.inbox_max}); try again later"
+                ) from None
+            queued = True
+        finally:
+            assembler.abort()  # nothing after finish; a half-received spool file is deleted
+            if not queued and job is not None and reserved:
+                await self._unreserve(job, reserved)
+        self.stats["received"] += 1
+        log.debug("queued %s round %d from %s (%d bytes)", first.kind, first.round, from_peer, payload.nbytes)
+        return worker_pb2.PushTensorsResponse(accepted=True, message="queued")
+
+    def _assembler(self) -> ChunkAssembler:
+        settings = self.settings
+        return ChunkAssembler(
+            max_bytes=settings.max_payload_bytes,
+            expected_content_type=CONTENT_TYPE,
+            spool_dir=settings.spool_dir or Path(tempfile.gettempdir()) / "hypha-tensor-spool",
+            memory_bytes=settings.memory_payload_bytes,
+        )
+
+    async def _complete(
+        self, assembler: ChunkAssembler, job_id: str, kind: str, round: int, samples: int, from_peer: str
+    ) -> TensorPayload:
+        """The verified payload, in memory or as its spool file; its safetensors header checked."""
+        if assembler.spooled:
+            path = assembler.finish_file()
+            try:
+                head = await asyncio.to_thread(read_head, path)
+                read_metadata(head)  # a safetensors header, or nothing gets queued
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
+            return TensorPayload(
+                job_id, kind, round, samples, from_peer, path=path, size=assembler.total_size
+            )
+        data = assembler.finish()
+        read_metadata(data)
+        return TensorPayload(job_id, kind, round, samples, from_peer, data=data)
+
+    async def _reserve(self, job: _Job, job_id: str, size: int) -> int:
+        """Hold ``size`` bytes of the job's inbox budget, waiting (bounded) while it is spent."""
+        limit = self.settings.inbox_max_bytes
+        if size > limit:
+            raise InvalidArgumentError(
+                f"payload of {size} bytes exceeds jobs.inbox_max_bytes = {limit} of job {job_id}"
+            )
+        try:
+            async with asyncio.timeout(self.settings.inbox_put_timeout_s):
+                async with job.room:
+                    await job.room.wait_for(lambda: job.held_bytes + size <= limit)
+                    job.held_bytes += size
+        except TimeoutError:
+            raise ResourceExhaustedError(
+                f"inbox of job {job_id} holds {job.held_bytes} bytes; {size} more would exceed "
+                f"jobs.inbox_max_bytes = {limit}; try again later"
+            ) from None
+        return size
+
+    async def _unreserve(self, job: _Job, size: int) -> None:
+        async with job.room:
+            job.held_bytes -= size
+            job.room.notify_all()
+
+    async def next_received(self, job_id: str, kind: str, timeout_s: float) -> TensorPayload | None:
+        """The next queued payload of (job, kind), or None after ``timeout_s``.
+
+        A spooled payload's file now belongs to the caller (``TensorPayload.release``)."""
+        job = self._job(job_id)
+        queue = job.inbox(check_kind(kind))
+        try:
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                payload = await queue.get()
+        except TimeoutError:
+            return None
+        await self._unreserve(job, payload.nbytes)
+        return payload
+
+    # ---- publishing: PullTensors --------------------------------------------------------------
+
+    async def publish(self, job_id: str, kind: str, round: int, path: Path, samples: int = 0) -> None:
+        """Serve ``path`` to pullers of (job, kind, round) and wake those already waiting."""
+        job = self._job(job_id)
+        check_kind(kind)
+        if not await asyncio.to_thread(path.is_file):
+            raise NotFoundError(f"no file {path.name} to publish")
+        rounds = job.published.setdefault(kind, {})
+        rounds[round] = _Published(path, samples)
+        for old in sorted(rounds)[: -self.settings.keep_published]:
+            del rounds[old]
+        async with job.changed:
+            job.changed.notify_all()
+
+    def _find(self, job: _Job, kind: str, round: int) -> tuple[int, _Published] | None:
+        rounds = job.published.get(kind, {})
+        if kind == "global":
+            # The current global state: a joining trainer takes the newest, never an older one.
+            newer = [r for r in rounds if r >= round]
+            return (max(newer), rounds[max(newer)]) if newer else None
+        found = rounds.get(round)
+        return (round, found) if found is not None else None
+
+    async def serve_pull(
+        self, request: worker_pb2.PullTensorsRequest, time_remaining: float | None
+    ) -> AsyncIterator[worker_pb2.TensorChunk]:
+        """The PullTensors stream: waits for the round to be published (bounded), then streams it."""
+        kind = check_kind(request.kind)
+        job = self._job(request.job_id)
+        wait_s = self.settings.max_pull_wait_s if time_remaining is None else time_remaining
+        self.pulls_waiting += 1
+        try:
+            async with asyncio.timeout(wait_s):
+                async with job.changed:
+                    await job.changed.wait_for(
+                        lambda: (
+                            self._find(job, kind, request.round) is not None
+                            or request.job_id not in self._jobs
+                        )
+                    )
+        except TimeoutError:
+            raise UnavailableError(
+                f"{kind} of round {request.round} not published within {wait_s:.1f} s"
+            ) from None
+        finally:
+            self.pulls_waiting -= 1
+        found = self._find(job, kind, request.round)
+        if found is None:
+            raise NotFoundError(f"job {request.job_id} ended on this worker")
+        round, published = found
+        async for message, first in file_messages(
+            published.path, worker_pb2.TensorChunk, tensor_chunk, self.settings.chunk_size
+        ):
+            if first:
+                message.job_id, message.kind, message.round = request.job_id, kind, round
+                message.samples = published.samples
+            yield message
+        self.stats["served"] += 1
+
+    # ---- sending: PushTensors to a peer, PullTensors from a peer ---------------------------------
+
+    def _outgoing(
+        self, attempt: int, messages: AsyncIterator[worker_pb2.TensorChunk]
+    ) -> AsyncIterator[worker_pb2.TensorChunk]:
+        """Fault seam: tests override it to break attempt ``attempt``'s stream."""
+        return messages
+
+    async def _push_stream(
+        self, job_id: str, kind: str, round: int, samples: int, path: Path
+    ) -> AsyncIterator[worker_pb2.TensorChunk]:
+        job = self._jobs.get(job_id)
+        async for message, first in file_messages(
+            path, worker_pb2.TensorChunk, tensor_chunk, self.settings.chunk_size
+        ):
+            if first:
+                message.job_id, message.kind, message.round, message.samples = job_id, kind, round, samples
+            size = wire_bytes(message)
+            self.bytes_total["pushed"] += size
+            if job is not None:
+                job.pushed_bytes += size
+            yield message
+
+    def _require_connector(self) -> ChannelSource:
+        if self.connector is None:
+            raise UnavailableError("this worker has no way to reach peers")
+        return self.connector
+
+    async def send(
+        self,
+        job_id: str,
+        peer_id: str,
+        addresses: Sequence[str],
+        kind: str,
+        round: int,
+        samples: int,
+        path: Path,
+    ) -> tuple[bool, str]:
+        """Push a file to ``peer_id``'s job; retries broken streams; (accepted, message)."""
+        check_kind(kind)
+        if not await asyncio.to_thread(path.is_file):
+            raise NotFoundError(f"no file {path.name} to send")
+        connector = self._require_connector()
+        backoff = Backoff(self.settings.backoff_base_s, self.settings.backoff_cap_s)
+        reasons: list[str] = []
+        for attempt in range(self.settings.send_attempts):
+            if attempt:
+                self.stats["send_retries"] += 1
+                await asyncio.sleep(backoff.next_delay())
+            try:
+                channel = await connector.channel(peer_id, list(addresses))
+                stub = worker_pb2_grpc.WorkerStub(channel)
+                stream = self._outgoing(attempt, self._push_stream(job_id, kind, round, samples, path))
+                response = await stub.PushTensors(stream, timeout=self.settings.push_timeout_s)
+            except UnavailableError as err:
+                reasons.append(err.message)
+                continue
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                reasons.append(f"{code.name}: {err.details()}")
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    await connector.invalidate(peer_id)
+                # NOTE: grpcio sometimes reports a server's early final status on a client
+                # stream (e.g. NOT_FOUND after the first chunk) as this INTERNAL instead; it is a
+                # transport artefact, so the push is tried again to learn the real answer.
+                core_artefact = (
+                    code is grpc.StatusCode.INTERNAL and err.details() == "Internal error from Core"
+                )
+                if code in RETRYABLE_CODES or code is grpc.StatusCode.DATA_LOSS or core_artefact:
+                    log.info("sending %s to %s: attempt %d failed: %s", kind, peer_id, attempt + 1, code.name)
+                    continue
+                return False, reasons[-1]
+            self.stats["sent"] += 1
+            return response.accepted, response.message
+        raise UnavailableError(
+            f"sending {kind} to {peer_id} failed after {self.settings.send_attempts} attempts: "
+            + "; ".join(reasons)
+        )
+
+    async def fetch(
+        self,
+        job_id: str,
+        peer_id: str,
+        addresses: Sequence[str],
+        kind: str,
+        round: int,
+        timeout_s: float,
+    ) -> TensorPayload | None:
+        """Pull (job, kind, round) from ``peer_id``; None when it is not published within ``timeout_s``.
+
+        A peer whose job is not there yet (NOT_FOUND) or that cannot be
+        reached is asked again until the time is up; a broken stream too.
+        """
+        check_kind(kind)
+        connector = self._require_connector()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, timeout_s)
+        backoff = Backoff(self.settings.backoff_base_s, self.settings.backoff_cap_s)
+        while (remaining := deadline - loop.time()) > 0:
+            try:
+                channel = await connector.channel(peer_id, list(addresses))
+                return await self._pull_once(channel, job_id, peer_id, kind, round, remaining)
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return None
+                if code is grpc.StatusCode.UNAVAILABLE:
+                    await connector.invalidate(peer_id)
+                if code not in (*RETRYABLE_CODES, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS):
+                    raise UnavailableError(
+                        f"pulling {kind} from {peer_id}: {code.name}: {err.details()}"
+                    ) from None
+                log.debug("pulling %s from %s: %s; asking again", kind, peer_id, code.name)
+            except (UnavailableError, DataLossError, InvalidArgumentError) as err:
+                log.info("pulling %s from %s: %s; asking again", kind, peer_id, err.message)
+            await asyncio.sleep(min(backoff.next_delay(), max(0.0, deadline - loop.time())))
+        return None
+
+    async def _pull_once(
+        self, channel: Any, job_id: str, peer_id: str, kind: str, round: int, timeout_s: float
+    ) -> TensorPayload:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        call = stub.PullTensors(
+            worker_pb2.PullTensorsRequest(job_id=job_id, kind=kind, round=round), timeout=timeout_s
+        )
+        assembler = self._assembler()
+        first: worker_pb2.TensorChunk | None = None
+        job = self._jobs.get(job_id)
+        try:
+            async for message in call:
+                if first is None:
+                    first = message
+                size = wire_bytes(message)
+                self.bytes_total["pulled"] += size
+                if job is not None:
+                    job.pulled_bytes += size
+                await feed_off_loop(assembler, message.chunk)
+            if first is None:
+                raise DataLossError(f"{kind} stream from {peer_id} ended before its first chunk")
+            return await self._complete(
+                assembler, job_id, first.kind or kind, first.round, first.samples, peer_id
+            )
+        finally:
+            if not call.done():
+                call.cancel()
+            assembler.abort()
+
+
+__all__ = [
+    "ChannelSource",
+    "TensorExchange",
+    "TensorPayload",
+    "TransferSettings",
+    "check_kind",
+    "file_chunks",
+]

@@ -1,0 +1,148 @@
+"""A client's task job on a local cluster cannot read a private key, a node's config or another job.
+
+The probe job does what the issue's attacker did (``find STATE -name '*key*.pem'
+-exec cat {} +``) and then walks the whole cluster state dir, printing any
+file it can read that holds a private key, a node config or the other job's
+secret. Run with the default sandbox it finds nothing; run with
+``worker.jobs.sandbox = "none"`` the same probe prints keys, which shows the
+probe would catch a leak.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+
+from hypha.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.e2e import DATASET, E2ECluster
+from tests.helpers import eventually
+
+pytestmark = pytest.mark.timeout(180)
+
+SECRET = "SECRET-OF-THE-OTHER-JOB"
+
+_VICTIM = (
+    f"open('secret.txt', 'w').write({SECRET!r}); print('ready', flush=True); import time; time.sleep(120)"
+)
+
+_PROBE = textwrap.dedent(
+    """
+    import os, subprocess, sys
+    state = sys.argv[1]
+    command = f"find {state} -name '*key*.pem' -exec cat {{}} +"
+    found = subprocess.run(command, shell=True, capture_output=True)
+    print("find printed", found.stdout.decode().count("PRIVATE KEY-----") // 2, "private key(s)")
+    seen = 0
+    for root, _, files in os.walk(state):
+        for name in files:
+            path = os.path.join(root, name)
+            try:
+                with open(path, errors="replace") as handle:
+                    text = handle.read(1 << 20)
+            except OSError:
+                continue
+            seen += 1
+            if "PRIVATE KEY" in text or "SECRET-OF-THE-OTHER-JOB" in text or path.endswith(".toml"):
+                print("LEAK", path, text[:80].replace(chr(10), " "))
+    print("probe done, files readable:", seen)
+    """
+)
+
+
+def _task(script: str, *args: str, name: str) -> str:
+    return "\n".join(
+        [
+            "[job]",
+            f"name = {json.dumps(name)}",
+            f"command = {json.dumps(sys.executable)}",
+            f"args = {json.dumps(['-c', script, *args])}",
+            "timeout_s = 60",
+        ]
+    )
+
+
+@pytest.fixture(scope="module", params=["auto", "none"])
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2ECluster]:
+    sandbox = request.param
+    c = E2ECluster(
+        tmp_path_factory.mktemp(f"isolation-{sandbox}"),
+        workers=2,
+        overrides={"worker": [f"worker.jobs.sandbox={json.dumps(sandbox)}"]},
+    )
+    c.prepare(samples=256)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+async def _output(cluster: E2ECluster, job_id: str) -> str:
+    return "\n".join(line.line for line in await cluster.log_lines(job_id))
+
+
+async def test_a_job_reads_no_key_no_config_and_no_other_job(cluster: E2ECluster) -> None:
+    # Prepare: another job holding a secret in its work dir, running on the other worker
+    victim = await cluster.submit(_task(_VICTIM, name="victim"))
+    await eventually(
+        lambda: _has_line(cluster, victim, "ready"), timeout=60, interval=0.2, message="victim ready"
+    )
+    state_dir = cluster.cluster.state_dir
+
+    # Execute: the probe, as an ordinary client's task job
+    probe = await cluster.submit(_task(_PROBE, str(state_dir), name="probe"))
+    job = await cluster.wait(probe, 60)
+    output = await _output(cluster, probe)
+    async with cluster.channel() as channel:
+        await scheduler_pb2_grpc.SchedulerStub(channel).CancelJob(
+            scheduler_pb2.CancelJobRequest(job_id=victim), timeout=10
+        )
+
+    # Assert
+    assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.reason
+    assert "probe done" in output
+    if cluster.cluster.overrides["worker"][-1].endswith('"none"'):
+        # Unconfined, the same probe prints the keys: it would see a leak.
+        assert "PRIVATE KEY" in output and "LEAK" in output
+        assert "find printed 0 private key(s)" not in output
+    else:
+        assert "PRIVATE KEY" not in output, output
+        assert SECRET not in output, output
+        assert "LEAK" not in output, output
+        assert "find printed 0 private key(s)" in output
+
+
+async def _has_line(cluster: E2ECluster, job_id: str, text: str) -> bool:
+    return text in await _output(cluster, job_id)
+
+
+async def test_a_diloco_job_naming_an_unlisted_factory_fails_and_runs_nothing(cluster: E2ECluster) -> None:
+    # Prepare: a torch model whose "factory" would run a shell command on every worker
+    mark = cluster.base / "factory-ran"
+    toml = f"""
+[job]
+name = "evil"
+dataset = "{DATASET}"
+rounds = 1
+samples_per_round = 32
+
+[job.model]
+type = "torch"
+torch_factory = "subprocess:run"
+config_overrides = {{ args = {json.dumps(json.dumps(f"touch {mark}"))}, shell = "true" }}
+
+[job.resources]
+num_workers = 1
+"""
+
+    # Execute
+    job = await cluster.wait(await cluster.submit(toml), 60)
+
+    # Assert: failed fast, with the worker's reason naming the setting; the command never ran
+    assert job.state == common_pb2.JOB_STATE_FAILED
+    assert "subprocess:run" in job.reason and "worker.jobs.model_factories" in job.reason, job.reason
+    assert not mark.exists()
