@@ -1,4 +1,5 @@
-"""A DiLoCo job that loses a part while no worker is free waits for one (``jobs.replace_patience_s``).
+"""A DiLoCo job short of free workers waits for them: a running one that lost a part waits
+``jobs.replace_patience_s`` for a replacement; a starting one waits in the queue.
 
 Under chaos every worker may be busy, or the one that died not back yet, at the
 moment a parameter server or trainer is lost. The run must keep trying the
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from hypha.dht.records import ProviderRecord
 from hypha.market.allocator import HeldLease
 from hypha.market.resources import ExecutorKind, Requirements, Resources
 from hypha.scheduler.config import JobsSection, SchedulerSection
@@ -225,6 +227,48 @@ async def test_a_job_that_ends_while_its_replacement_waits_takes_no_worker(
         assert not any(lease.worker_id == "w9" for lease in run.leases.values())
     finally:
         await runs.stop()
+
+
+@dataclass
+class _Providers:
+    """One data node serving the job's dataset (the DHT lookup is tested in ``tests/dht``)."""
+
+    async def find_within(self, dataset: str, wait_s: float, clock: Any) -> list[ProviderRecord]:
+        return [ProviderRecord(dataset, "data0", ("127.0.0.1:1",), 4, 1, 0.0, 1e12)]
+
+
+async def test_a_starting_job_short_of_workers_gives_back_what_it_got_and_waits_queued(
+    store: JobStore, tmp_path: Path
+) -> None:
+    # Two of the three workers it needs are free: it must not hold them while it waits (another
+    # starting job could be holding the rest, each keeping the other from starting).
+    market = _Market(free=["w0", "w1"])
+    jobs = JobsSection(allocate_wait_s=0.1, queue_retry_s=0.05)
+    calls = _Calls()
+    runs = RunRegistry(market, store, calls, SchedulerSection(jobs=jobs))  # type: ignore[arg-type]
+    job = await store.create(SPEC)
+    run = DilocoRun(job, runs, round_planners(), _Providers(), tmp_path)  # type: ignore[arg-type]
+    start = asyncio.create_task(run._start())
+    try:
+        queued = await eventually(lambda: _requeued(store, job.job_id), message="back in the queue")
+        assert "could lease only 1 of 2 trainers" in queued.reason
+        assert len(market.released) == 2 and not run.leases  # both leases given back
+        assert not calls.dispatched and not start.done()
+        tries = market.tries
+        await eventually(lambda: market.tries > tries + 1, message="it tries again while queued")
+        market.free[:] = ["w0", "w1", "w2"]  # a job ended: three workers free
+        await asyncio.wait_for(start, 10)
+        assert (await store.get(job.job_id)).state is JobState.RUNNING
+        assert run.ps is not None and sorted([run.ps.worker_id, *run.trainers]) == ["w0", "w1", "w2"]
+        assert len(calls.dispatched) == 3
+    finally:
+        start.cancel()
+        await runs.stop()
+
+
+async def _requeued(store: JobStore, job_id: str) -> Any:
+    job = await store.get(job_id)
+    return job if job.state is JobState.PENDING and "queued" in job.reason else None
 
 
 async def _state_is(store: JobStore, job_id: str, state: JobState) -> Any:

@@ -49,10 +49,11 @@ class JobsSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     allocate_wait_s: float = Field(
-        120.0,
+        60.0,
         gt=0,
-        description="How long a DiLoCo job keeps trying to lease its parameter server and trainers "
-        "before it fails (a task job stays queued instead, and tries again).",
+        description="How long a starting DiLoCo job keeps the leases it got while it tries for the rest "
+        "of its parameter server and trainers; then it gives them back and waits in the queue (PENDING) "
+        "for its next try, as a task job does. Cancel a job that asks for more than the cluster has.",
     )
     replace_patience_s: float = Field(
         120.0,

@@ -3,7 +3,10 @@
 ALLOCATING: find the dataset's providers in the DHT; lease one parameter
 server and ``num_workers`` trainers with the job's requirements, prices and
 policy; dispatch the parameter server (it learns the trainer ids), then the
-trainers (they learn the parameter server). RUNNING: progress reports are
+trainers (they learn the parameter server). A job that finds fewer free
+workers than it needs within ``jobs.allocate_wait_s`` gives back what it got
+and waits PENDING (jittered backoff) for its next try, as a task job does, so
+starting jobs never hold parts of the cluster from each other. RUNNING: progress reports are
 answered by the job's planner (``hypha.scheduler.rounds``), slice requests by
 its ``SliceTracker`` (with the providers as ``PeerInfo``), metrics go to the
 store. A trainer that is lost (its lease lapsed) or fails gives its slices
@@ -51,6 +54,7 @@ from hypha.dht.records import ProviderRecord
 from hypha.errors import FailedPreconditionError, HyphaError
 from hypha.market.allocator import HeldLease
 from hypha.market.resources import Requirements
+from hypha.net.backoff import Backoff
 from hypha.scheduler import elastic
 from hypha.scheduler.diloco_resume import resume, snapshot
 from hypha.scheduler.lifecycle import JobState, Reason
@@ -60,7 +64,7 @@ from hypha.scheduler.ps_state import STATE_ROUND_KEY, StateKeeper
 from hypha.scheduler.results import ResultPullError, pull_result, result_dir, result_limits
 from hypha.scheduler.retry import Outcome, attempt_end
 from hypha.scheduler.rounds import Planner, PlannerFactory, Progress, batch_size_for
-from hypha.scheduler.runs import JobFailed, RunRegistry, price_range
+from hypha.scheduler.runs import MAX_QUEUE_RETRY_S, JobFailed, RunRegistry, Shortfall, price_range
 from hypha.scheduler.slices import SliceTracker
 from hypha.scheduler.store import JobRecord, WorkerMetric
 from hypha.scheduler.worker_calls import describe
@@ -324,22 +328,23 @@ class DilocoRun(ParameterServerRecovery):
         self.data_providers = [provider_peer(record) for record in records]
         self.tracker = SliceTracker(max(record.slice_count for record in records))
         self.planner = self.planners(spec)
-        (self.ps,) = await runs.lease_many(
-            self,
-            Requirements.from_proto(spec.parameter_server_requirements),
-            1,
-            price_range(spec.parameter_server_price),
-            spec.selection_policy,
-            what="a parameter server",
-        )
-        trainer_leases = await runs.lease_many(
-            self,
-            Requirements.from_proto(spec.worker_requirements),
-            int(spec.num_workers),
-            price_range(spec.worker_price),
-            spec.selection_policy,
-            exclude={self.ps.worker_id},
-        )
+        queued = Backoff(runs.jobs_cfg.queue_retry_s, MAX_QUEUE_RETRY_S)
+        while True:
+            try:
+                self.ps, trainer_leases = await self._lease_workers()
+                break
+            except Shortfall as short:
+                # Nothing is held now: wait in the queue, so that two starting jobs that each got
+                # part of the cluster do not keep it from each other, and try again.
+                pause = queued.next_delay()
+                await store.transition(
+                    self.job_id,
+                    JobState.PENDING,
+                    expected=JobState.ALLOCATING,
+                    reason=f"{short.message}; queued, trying again in {pause:.0f}s",
+                )
+                await asyncio.sleep(pause)
+                await store.transition(self.job_id, JobState.ALLOCATING, expected=JobState.PENDING)
         for lease in trainer_leases:
             self._add_trainer(lease, attempt=0, start_round=0)
         try:
@@ -358,6 +363,32 @@ class DilocoRun(ParameterServerRecovery):
             reason=f"training on {len(self.trainers)} workers",
             workers=self._worker_list(),
         )
+
+    async def _lease_workers(self) -> tuple[HeldLease, list[HeldLease]]:
+        """The parameter server's lease and the trainers', on distinct workers, or ``Shortfall``
+        with none of them held."""
+        runs, spec = self.runs, self.diloco
+        (ps,) = await runs.lease_many(
+            self,
+            Requirements.from_proto(spec.parameter_server_requirements),
+            1,
+            price_range(spec.parameter_server_price),
+            spec.selection_policy,
+            what="a parameter server",
+        )
+        try:
+            trainers = await runs.lease_many(
+                self,
+                Requirements.from_proto(spec.worker_requirements),
+                int(spec.num_workers),
+                price_range(spec.worker_price),
+                spec.selection_policy,
+                exclude={ps.worker_id},
+            )
+        except Shortfall:
+            await runs.release_lease(self, ps, cancel=False)
+            raise
+        return ps, trainers
 
     async def _save(self) -> None:
         """Save what resuming the job after a scheduler restart needs (``diloco_resume``); the

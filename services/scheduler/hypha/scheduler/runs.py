@@ -59,6 +59,14 @@ class JobFailed(HyphaError):
     """Ends a job as FAILED with this message as the reason."""
 
 
+class Shortfall(JobFailed):
+    """Fewer free workers than wanted within the wait; the leases that were got are given back.
+
+    A job that has not started yet waits in the queue for its next try instead of failing:
+    two starting jobs that each hold part of what they need must not keep it from each other.
+    """
+
+
 class JobRun(ABC):
     """One active job: what the orchestrator asks of every kind."""
 
@@ -311,7 +319,9 @@ class RunRegistry:
             if len(held) < count:
                 left = deadline - self.clock()
                 if left <= 0:
-                    raise JobFailed(
+                    for lease in held:
+                        await self.release_lease(run, lease, cancel=False)
+                    raise Shortfall(
                         f"could lease only {len(held)} of {count} {what}: no free worker within {wait_s:g}s"
                     )
                 if not got:
@@ -340,4 +350,4 @@ def price_range(msg: common_pb2.PriceRange) -> PriceRange | None:
     return PriceRange.from_proto(msg)
 
 
-__all__ = ["JobFailed", "JobRun", "RunRegistry", "price_range"]
+__all__ = ["JobFailed", "JobRun", "RunRegistry", "Shortfall", "price_range"]
