@@ -72,6 +72,29 @@ class Resource:
         await self.close()
 
 
+async def cancel_and_wait(
+    *tasks: asyncio.Task[Any] | None,
+    expected: tuple[type[BaseException], ...] = (),
+    logger: logging.Logger | None = None,
+) -> None:
+    """Cancel ``tasks`` (``None`` entries are skipped) and wait until each has ended.
+
+    Unlike ``task.cancel(); with suppress(CancelledError): await task``, a cancellation aimed
+    at the caller while it waits still reaches the caller, and a task that had already crashed
+    has its error logged (unless it is one of ``expected``) instead of raised into a ``stop()``.
+    """
+    live = [task for task in tasks if task is not None]
+    for task in live:
+        task.cancel()
+    if not live:
+        return
+    await asyncio.wait(live)
+    for task in live:
+        if task.cancelled() or (error := task.exception()) is None or isinstance(error, expected):
+            continue
+        (logger or _log).warning("task %s had failed", task.get_name(), exc_info=error)
+
+
 class BackgroundTasks:
     """A set of independent background tasks that logs their crashes and can cancel or drain them."""
 
@@ -117,4 +140,4 @@ class BackgroundTasks:
         await self.cancel()
 
 
-__all__ = ["BackgroundTasks", "Resource", "Service"]
+__all__ = ["BackgroundTasks", "Resource", "Service", "cancel_and_wait"]

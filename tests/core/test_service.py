@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from hypha.service import BackgroundTasks, Resource, Service
+from hypha.service import BackgroundTasks, Resource, Service, cancel_and_wait
+from hypha.testing.polling import eventually
 
 
 class _Part(Service):
@@ -101,3 +102,41 @@ async def test_drain_lets_quick_tasks_finish_and_cancels_the_rest() -> None:
     # Assert
     assert quick_task.result() == "sent"
     assert slow_task.cancelled()
+
+
+async def test_cancel_and_wait_lets_a_cancellation_aimed_at_the_caller_through() -> None:
+    # A ``stop()`` that is itself cancelled while its task cleans up must end cancelled, not
+    # carry on as if nothing happened (what ``suppress(CancelledError)`` around the await does).
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_to_stop() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await release.wait()
+
+    task = asyncio.create_task(slow_to_stop())
+    await started.wait()
+    stopper = asyncio.create_task(cancel_and_wait(task, None))
+    await eventually(lambda: task.cancelling() > 0, message="the task was cancelled")
+    stopper.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(stopper, 5)
+    release.set()
+    await asyncio.wait_for(asyncio.wait([task]), 5)
+    assert task.cancelled()
+
+
+async def test_cancel_and_wait_logs_an_earlier_crash_unless_expected(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def crash(error: Exception) -> None:
+        raise error
+
+    broken = asyncio.create_task(crash(RuntimeError("boom")), name="broken")
+    benign = asyncio.create_task(crash(ConnectionError("peer left")), name="benign")
+    await asyncio.wait([broken, benign])
+    with caplog.at_level(logging.WARNING):
+        await cancel_and_wait(broken, benign, expected=(ConnectionError,))
+    assert [r.getMessage() for r in caplog.records] == ["task broken had failed"]

@@ -20,7 +20,7 @@ from hypha.dht.node import DhtNode
 from hypha.dht.records import Clock, ProviderRecord, next_seq, sign_record
 from hypha.errors import HyphaError, InvalidArgumentError
 from hypha.pki.identity import peer_id_of
-from hypha.service import Service
+from hypha.service import Service, cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +127,7 @@ class Publisher(Service):
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _run(self) -> None:
         while True:

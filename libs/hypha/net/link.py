@@ -43,7 +43,7 @@ from hypha.net.messages import Message, RawDelivery, server_frame
 from hypha.net.options import DEFAULT_KEEPALIVE_S
 from hypha.net.tls import TlsMaterial
 from hypha.net.wire import Encoded, frame_bytes
-from hypha.service import Service
+from hypha.service import Service, cancel_and_wait
 from hypha.v1 import gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -156,10 +156,7 @@ class NodeLink(Service):
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         self.connected.clear()
         for sub in [*(s for subs in self._topics.values() for s in subs), *self._channels.values()]:
             sub.close()

@@ -8,13 +8,13 @@ interceptors such as OpenTelemetry's wrap streaming responses as generators.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from hypha.gateway.outbox import Outbox
+from hypha.service import cancel_and_wait
 
 #: Ways a stream ends that are the peer's business, not an error of ours.
 _BENIGN = (grpc.aio.AioRpcError, ConnectionError, asyncio.CancelledError)
@@ -43,9 +43,7 @@ async def serve_frames(
             if exc is not None and not isinstance(exc, _BENIGN):
                 raise exc
     finally:
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
+        await cancel_and_wait(task, expected=(Exception,))  # raised above when it mattered
 
 
 async def frames_of(call: Any) -> AsyncIterator[Any]:

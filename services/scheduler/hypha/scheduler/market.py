@@ -17,7 +17,6 @@ every held lease.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -41,6 +40,7 @@ from hypha.scheduler.lease_keeper import LeaseEvent, LeaseEventKind, LeaseKeeper
 from hypha.scheduler.market_workers import KnownWorker, MarketWorkers
 from hypha.scheduler.offer_rounds import WIDEN, OfferRounds, sampled_share
 from hypha.scheduler.worker_calls import describe
+from hypha.service import cancel_and_wait
 from hypha.timestamps import to_seconds
 from hypha.v1 import worker_pb2
 
@@ -99,12 +99,7 @@ class SchedulerMarket:
         if self._stopping:
             return
         self._stopping = True
-        tasks = [*self._loops, *self._tasks]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await cancel_and_wait(*self._loops, *self._tasks)
         await self.release_all()
 
     async def __aenter__(self) -> SchedulerMarket:

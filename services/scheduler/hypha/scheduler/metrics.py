@@ -22,7 +22,6 @@ timeout, and counts what it sent, dropped and failed to send.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -33,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hypha.scheduler.lifecycle import JobState
+from hypha.service import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -188,10 +188,7 @@ class StatusBridge:
     async def stop(self) -> None:
         """Idempotent; metrics still queued are dropped (it is a best-effort feed)."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
