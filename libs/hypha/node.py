@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 from hypha.net.addresses import InterfaceFinder, advertised_addresses, host_addresses
 from hypha.net.options import DEFAULT_MAX_CONCURRENT_RPCS, DEFAULT_MAX_RPCS_PER_PEER
@@ -19,6 +19,9 @@ from hypha.net.server import NodeServer, ServiceBinding
 from hypha.net.telemetry import shutdown_tracing
 from hypha.net.tls import TlsMaterial
 from hypha.service import Service
+
+if TYPE_CHECKING:
+    from hypha.config.common import NodeSettings
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,25 @@ class Node(Service):
             "address": self.address,
             "port": self.server.port,
         }
+
+    @classmethod
+    def from_settings(
+        cls, settings: NodeSettings, tls: TlsMaterial, services: list[ServiceBinding], *, grace_s: float
+    ) -> Self:
+        """The node a role's settings describe: its name, listener and ``[net]`` limits."""
+        net = settings.net
+        return cls(
+            settings.name,
+            tls,
+            net.listen,
+            services,
+            max_message_bytes=net.max_message_bytes,
+            keepalive_s=net.keepalive_s,
+            max_concurrent_rpcs=net.max_concurrent_rpcs,
+            max_rpcs_per_peer=net.max_rpcs_per_peer,
+            grace_s=grace_s,
+            external_addresses=net.external_addresses,
+        )
 
     def add_part(self, part: Part) -> None:
         self.parts.append(part)

@@ -140,18 +140,7 @@ def build(settings: DataNodeSettings, tls: TlsMaterial) -> DataNode:
     bindings: list[ServiceBinding] = [
         (data_pb2_grpc.add_DataNodeServicer_to_server, servicer, "hypha.v1.DataNode")
     ]
-    node = DataNode(
-        settings.name,
-        tls,
-        settings.net.listen,
-        bindings,
-        max_message_bytes=settings.net.max_message_bytes,
-        keepalive_s=settings.net.keepalive_s,
-        max_concurrent_rpcs=settings.net.max_concurrent_rpcs,
-        max_rpcs_per_peer=settings.net.max_rpcs_per_peer,
-        grace_s=cfg.grace_s,
-        external_addresses=settings.net.external_addresses,
-    )
+    node = DataNode.from_settings(settings, tls, bindings, grace_s=cfg.grace_s)
     node.catalog = catalog
     node.servicer = servicer
     node.announcer = None

@@ -39,17 +39,11 @@ def build(settings: GatewaySettings, tls: TlsMaterial) -> GatewayNode:
         dedup_ttl_s=cfg.dedup_ttl_s,
         dedup_max=cfg.dedup_max,
     )
-    node = GatewayNode(
-        settings.name,
+    node = GatewayNode.from_settings(
+        settings,
         tls,
-        settings.net.listen,
         [(add_gateway_servicer, GatewayServicer(hub, cfg), "hypha.v1.Gateway")],
-        max_message_bytes=settings.net.max_message_bytes,
-        keepalive_s=settings.net.keepalive_s,
-        max_concurrent_rpcs=settings.net.max_concurrent_rpcs,
-        max_rpcs_per_peer=settings.net.max_rpcs_per_peer,
         grace_s=cfg.grace_s,
-        external_addresses=settings.net.external_addresses,
     )
     node.hub = hub
     node.federation = Federation(hub, tls, cfg, settings.net.max_message_bytes)

@@ -159,18 +159,7 @@ def build(settings: SchedulerSettings, tls: TlsMaterial) -> SchedulerNode:
             "hypha.v1.SchedulerControl",
         ),
     ]
-    node = SchedulerNode(
-        settings.name,
-        tls,
-        settings.net.listen,
-        bindings,
-        max_message_bytes=settings.net.max_message_bytes,
-        keepalive_s=settings.net.keepalive_s,
-        max_concurrent_rpcs=settings.net.max_concurrent_rpcs,
-        max_rpcs_per_peer=settings.net.max_rpcs_per_peer,
-        grace_s=cfg.grace_s,
-        external_addresses=settings.net.external_addresses,
-    )
+    node = SchedulerNode.from_settings(settings, tls, bindings, grace_s=cfg.grace_s)
     market.addresses = lambda: node.addresses
     node.link, node.relay, node.connector, node.market = link, relay, connector, market
     node.store, node.orchestrator, node.metrics, node.rest = store, orchestrator, metrics, rest

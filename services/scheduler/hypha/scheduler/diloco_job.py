@@ -67,7 +67,7 @@ from hypha.scheduler.rounds import Planner, PlannerFactory, Progress, batch_size
 from hypha.scheduler.runs import MAX_QUEUE_RETRY_S, JobFailed, RunRegistry, Shortfall, price_range
 from hypha.scheduler.slices import SliceTracker
 from hypha.scheduler.store import JobRecord, WorkerMetric
-from hypha.scheduler.worker_calls import describe
+from hypha.scheduler.worker_calls import REFUSALS, describe
 from hypha.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -354,7 +354,7 @@ class DilocoRun(ParameterServerRecovery):
         except grpc.aio.AioRpcError as err:
             # A worker refusing the job itself (e.g. a model factory off its allowlist) will
             # refuse it again: fail at once with its reason instead of an "orchestration failed".
-            if err.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
+            if err.code() in REFUSALS:
                 raise JobFailed(f"a worker refused the job: {describe(err)}") from err
             raise
         await store.transition(

@@ -32,8 +32,6 @@ import asyncio
 import time
 from pathlib import Path
 
-import grpc
-
 from hypha import bundles
 from hypha.bundles import BundleStore
 from hypha.errors import HyphaError, NotFoundError
@@ -46,7 +44,6 @@ from hypha.scheduler.retry import AttemptEnd, Outcome
 from hypha.scheduler.runs import JobFailed, RunRegistry, price_range
 from hypha.scheduler.store import JobRecord
 from hypha.scheduler.task_job import TaskRun
-from hypha.scheduler.worker_calls import describe
 from hypha.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 #: Attempts on fresh leases after losing a worker, before the job fails.
@@ -166,14 +163,14 @@ class InferenceRun(TaskRun):
 
     async def _run_attempt(self, lease: HeldLease, attempt: int, timeout_s: float) -> AttemptEnd:
         """Dispatch attempt ``attempt`` (the job goes RUNNING) and wait for its end."""
-        store = self.runs.store
         self.attempt, self.worker_id, self.next_index = attempt, lease.worker_id, 0
         self.outcome = asyncio.get_running_loop().create_future()
         spec = common_pb2.JobSpec()
         spec.CopyFrom(self.spec)
         if self.model_bundle:
             spec.inference.model_bundle_sha256 = bundles.sha256_hex(self.model_bundle)
-        try:
+
+        async def send() -> None:
             await self.runs.calls.dispatch(
                 lease.worker_id,
                 worker_pb2.DispatchJobRequest(
@@ -187,27 +184,8 @@ class InferenceRun(TaskRun):
             )
             if self.model_bundle:
                 await self._push_model(lease.worker_id)
-        except grpc.aio.AioRpcError as err:
-            if err.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
-                raise JobFailed(f"{lease.worker_id} refused the job: {describe(err)}") from err
-            await store.transition(
-                self.job_id, JobState.RUNNING, expected=JobState.ALLOCATING, attempt=attempt
-            )
-            return (Outcome.WORKER_LOST, -1, f"dispatch to {lease.worker_id} failed: {describe(err)}")
-        except HyphaError as err:
-            await store.transition(
-                self.job_id, JobState.RUNNING, expected=JobState.ALLOCATING, attempt=attempt
-            )
-            return (Outcome.WORKER_LOST, -1, f"dispatch to {lease.worker_id} failed: {describe(err)}")
-        await store.transition(
-            self.job_id,
-            JobState.RUNNING,
-            expected=JobState.ALLOCATING,
-            reason=f"attempt {attempt} running on {lease.worker_id}",
-            attempt=attempt,
-            workers=[lease.worker_id],
-        )
-        return await self._wait_for_end(lease, timeout_s)
+
+        return await self._run_dispatched(lease, attempt, timeout_s, send)
 
     async def _push_model(self, worker_id: str) -> None:
         """The model job's packed result into the execution's inbox (it waits for it)."""

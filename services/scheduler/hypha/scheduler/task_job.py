@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import math
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -33,7 +34,7 @@ from hypha.scheduler.results import ResultPullError, pull_result, result_dir, re
 from hypha.scheduler.retry import AttemptEnd, Outcome, RetryPolicy, attempt_end
 from hypha.scheduler.runs import JobFailed, JobRun, RunRegistry, price_range
 from hypha.scheduler.store import JobRecord
-from hypha.scheduler.worker_calls import describe
+from hypha.scheduler.worker_calls import REFUSALS, describe
 from hypha.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 #: Longest pause of a queued task between two attempts to find a worker.
@@ -122,11 +123,11 @@ class TaskRun(JobRun):
 
     async def _attempt(self, lease: HeldLease, attempt: int, timeout_s: float) -> AttemptEnd:
         """Dispatch attempt number ``attempt`` on ``lease`` (the job goes RUNNING) and wait for its end."""
-        store = self.runs.store
         self.attempt = attempt
         self.worker_id = lease.worker_id
         self.outcome = asyncio.get_running_loop().create_future()
-        try:
+
+        async def send() -> None:
             files = b""
             if self.spec.task.files_sha256:
                 files = await asyncio.to_thread(self.bundles.get, self.spec.task.files_sha256)
@@ -142,7 +143,24 @@ class TaskRun(JobRun):
                     files_bundle=files,
                 ),
             )
+
+        return await self._run_dispatched(lease, attempt, timeout_s, send)
+
+    async def _run_dispatched(
+        self, lease: HeldLease, attempt: int, timeout_s: float, send: Callable[[], Awaitable[None]]
+    ) -> AttemptEnd:
+        """``send`` the attempt to its worker, the job goes RUNNING, then wait for the attempt's end.
+
+        A dispatch that did not arrive ends the attempt as the worker's loss (the retry policy
+        decides what next); a worker that refuses the job itself (a policy, a malformed spec)
+        would refuse every attempt, so the job fails at once with its reason.
+        """
+        store = self.runs.store
+        try:
+            await send()
         except (grpc.aio.AioRpcError, HyphaError) as err:
+            if isinstance(err, grpc.aio.AioRpcError) and err.code() in REFUSALS:
+                raise JobFailed(f"{lease.worker_id} refused the job: {describe(err)}") from err
             await store.transition(
                 self.job_id, JobState.RUNNING, expected=JobState.ALLOCATING, attempt=attempt
             )

@@ -144,6 +144,11 @@ def is_refusal(err: BaseException) -> bool:
     )
 
 
+#: A worker's answers to a dispatch that mean it refuses the job itself (its policy, a malformed
+#: spec): every worker would, so the job fails at once instead of being retried elsewhere.
+REFUSALS = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT})
+
+
 def describe(err: BaseException) -> str:
     """An error as one short line for a job's reason or a log."""
     if isinstance(err, grpc.aio.AioRpcError):
@@ -155,6 +160,7 @@ def describe(err: BaseException) -> str:
 
 __all__ = [
     "FINAL_REPORTS",
+    "REFUSALS",
     "RESULT_KIND",
     "STATUS_TO_REPORT",
     "WorkerCalls",

@@ -125,18 +125,7 @@ def build(settings: WorkerSettings, tls: TlsMaterial) -> WorkerNode:
 
     market.on_lease_end.append(lease_ended)
     bindings = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "hypha.v1.Worker")]
-    node = WorkerNode(
-        settings.name,
-        tls,
-        settings.net.listen,
-        bindings,
-        max_message_bytes=settings.net.max_message_bytes,
-        keepalive_s=settings.net.keepalive_s,
-        max_concurrent_rpcs=settings.net.max_concurrent_rpcs,
-        max_rpcs_per_peer=settings.net.max_rpcs_per_peer,
-        grace_s=cfg.grace_s,
-        external_addresses=settings.net.external_addresses,
-    )
+    node = WorkerNode.from_settings(settings, tls, bindings, grace_s=cfg.grace_s)
     market.addresses = lambda: node.addresses
     node.link, node.relay, node.connector, node.market, node.servicer, node.manager = (
         link,
