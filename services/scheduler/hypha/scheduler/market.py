@@ -40,14 +40,14 @@ from hypha.scheduler.lease_keeper import LeaseEvent, LeaseEventKind, LeaseKeeper
 from hypha.scheduler.market_workers import KnownWorker, MarketWorkers
 from hypha.scheduler.offer_rounds import WIDEN, OfferRounds, sampled_share
 from hypha.scheduler.worker_calls import describe
-from hypha.service import cancel_and_wait
+from hypha.service import BackgroundTasks, Service, cancel_and_wait
 from hypha.timestamps import to_seconds
 from hypha.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
 
-class SchedulerMarket:
+class SchedulerMarket(Service):
     """Allocation rounds, held leases and their renewal, for one scheduler."""
 
     def __init__(
@@ -76,7 +76,7 @@ class SchedulerMarket:
         self._keeper = LeaseKeeper(
             self.book, self._workers, section, self.stats, clock, self._spawn, self._lost
         )
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._background = BackgroundTasks(log)
         self._loops: list[asyncio.Task[None]] = []
         self._started = False
         self._stopping = False
@@ -99,15 +99,9 @@ class SchedulerMarket:
         if self._stopping:
             return
         self._stopping = True
-        await cancel_and_wait(*self._loops, *self._tasks)
+        await cancel_and_wait(*self._loops)
+        await self._background.cancel()
         await self.release_all()
-
-    async def __aenter__(self) -> SchedulerMarket:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     # ---- queries ---------------------------------------------------------------
 
@@ -408,6 +402,4 @@ class SchedulerMarket:
                 log.exception("lease event listener failed")
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._background.spawn(coro, name)
