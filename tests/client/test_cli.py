@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 from hypha.client import cli
+from hypha.client.commands.jobs import resolve_local_paths
 from hypha.jobfile import parse_job_toml
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.store import LogEntry, WorkerMetric
 from tests.conftest import Pki
+from tests.scheduler.test_jobfile import INFERENCE
 from tests.scheduler.test_servicer import DILOCO_TOML, TASK_TOML, Served, serve_api
 
 
@@ -174,6 +176,97 @@ async def test_logs_fetch_and_workers(served: Served, pki: Pki, tmp_path: Path) 
     assert code == 0 and "worker-1" in out and "12.5" in out
 
 
+def test_submit_resolves_relative_local_paths_against_the_job_files_directory() -> None:
+    """What ``hypha submit`` sends: relative paths made absolute, everything else as written."""
+    base = Path("/x")
+    toml = (
+        '[job]\nname = "walk"\ndataset = "d"\nrounds = 2\nquorum = 0.75\n'
+        '[job.model]\nlocal_path = "models/tiny"   # beside job.toml\ntype = "causal-lm"\n'
+        '[job.preprocessor]\nlocal_path = "../pre"\n'
+        "[job.resources]\nnum_workers = 2\nworker = { cpu = 1, memory_gb = 2 }\n"
+    )
+    resolved = parse_job_toml(resolve_local_paths(toml, base))
+    assert resolved.diloco.model.local_path == "/x/models/tiny"
+    assert resolved.diloco.preprocessor.local_path == "/pre"
+    # The rest of the job is the same job.
+    resolved.diloco.model.local_path = resolved.diloco.preprocessor.local_path = "/abs"
+    expected = parse_job_toml(toml.replace('"models/tiny"', '"/abs"').replace('"../pre"', '"/abs"'))
+    assert resolved == expected
+    # The scheduler-config form and an inference job's model are resolved too.
+    scheduler_form = '[scheduler.job]\ndataset = "d"\n[scheduler.job.model]\nlocal_path = "m"\n'
+    assert parse_job_toml(resolve_local_paths(scheduler_form, base)).diloco.model.local_path == "/x/m"
+    inference = INFERENCE.replace('"/models/arithmetic"', '"./arith"')
+    assert parse_job_toml(resolve_local_paths(inference, base)).inference.model.local_path == "/x/arith"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[job]\ndataset = "d"\n[job.model]\nlocal_path = "/models/tiny"  # absolute\n',
+        '[job]\ndataset = "d"\n[job.model]\nlocal_path = "~/models/tiny"\n',
+        '[job]\ndataset = "d"\n[job.model]\nrepository = "openai-community/gpt2"\n',
+        '[job]\ncommand = "python3"\nfiles = ["train.py"]\n',
+        '[job]\ndataset = "d"\n[job.model\nlocal_path = "models/tiny"\n',  # not TOML: parse names it
+    ],
+)
+def test_submit_sends_a_job_file_without_relative_local_paths_as_written(text: str) -> None:
+    assert resolve_local_paths(text, Path("/x")) == text
+
+
+async def test_submit_makes_a_relative_model_local_path_absolute_against_the_job_file(
+    served: Served, pki: Pki, tmp_path: Path
+) -> None:
+    job_dir = tmp_path / "x"
+    job_dir.mkdir()
+    job_file = job_dir / "job.toml"
+    ids = []
+    for local_path in ("models/tiny", "/models/tiny"):
+        job_file.write_text(f'[job]\ndataset = "d"\n[job.model]\nlocal_path = "{local_path}"\n')
+        code, out, err = await hypha(served, pki, tmp_path, "--output", "json", "submit", str(job_file))
+        assert code == 0, err
+        ids.append(json.loads(out)["job_id"])
+    sent = [(await served.store.get(job_id)).spec.diloco.model.local_path for job_id in ids]
+    assert sent == [str(job_dir / "models" / "tiny"), "/models/tiny"]
+
+
+def test_tiny_model_writes_the_demos_model_without_a_scheduler_and_never_overwrites(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import load_file
+
+    from hypha.models import save_arithmetic_model
+
+    for key in [k for k in os.environ if k.startswith("HYPHA_")]:
+        monkeypatch.delenv(key)  # no scheduler, no certificates: it only writes files
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["tiny-model", "models/tiny"]) == 0
+    assert (
+        capsys.readouterr().out == f"wrote a 0.63M-parameter causal-lm model to {tmp_path / 'models/tiny'}\n"
+    )
+    written = load_file(tmp_path / "models/tiny/model.safetensors")
+    demo = load_file(save_arithmetic_model(tmp_path / "demo", seed=0) / "model.safetensors")
+    assert written.keys() == demo.keys() and all(written[k].equal(demo[k]) for k in demo)
+
+    assert cli.main(["tiny-model", "models/tiny", "--seed", "1"]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"hypha: error: {tmp_path / 'models/tiny'}: not empty (give --force to write into it)\n"
+    )
+    assert all(t.equal(demo[k]) for k, t in load_file(tmp_path / "models/tiny/model.safetensors").items())
+
+    assert cli.main(["tiny-model", "models/tiny", "--seed", "1", "--force", "--output", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    parameters = sum(t.numel() for t in demo.values())
+    assert report == {
+        "path": str(tmp_path / "models/tiny"),
+        "type": "causal-lm",
+        "seed": 1,
+        "parameters": parameters,
+    }
+    reseeded = load_file(tmp_path / "models/tiny/model.safetensors")
+    assert not all(reseeded[k].equal(demo[k]) for k in demo)
+
+
 async def test_an_unreachable_scheduler_is_one_clear_line(pki: Pki, tmp_path: Path) -> None:
     args = ["--scheduler", "127.0.0.1:1", "--certs", str(pki.dir), "--name", "client", "--timeout", "5"]
     code, _, err = await hypha(None, pki, tmp_path, *args, "status")
@@ -194,7 +287,7 @@ def test_other_modules_can_register_subcommands(capsys: pytest.CaptureFixture[st
     finally:
         del cli.COMMANDS["hello"]
     assert capsys.readouterr().out == "hello hypha\n"
-    assert {"up", "down", "demo"} <= set(cli.COMMANDS)
+    assert {"up", "down", "demo", "tiny-model"} <= set(cli.COMMANDS)
 
 
 async def test_a_local_cluster_from_hypha_up_is_found_without_flags(

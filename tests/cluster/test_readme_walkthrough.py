@@ -1,8 +1,11 @@
 """The README's by-hand walkthrough, run from the README's own command blocks.
 
-The blocks marked ``readme-test: certificates``, ``by-hand-mesh`` and
-``by-hand-jobs`` are read from README.md each run, so editing the README edits
-this test. What the test changes, and nothing more:
+The blocks marked ``readme-test: certificates``, ``by-hand-mesh``,
+``by-hand-job-file`` and ``by-hand-jobs`` are read from README.md each run, so
+editing the README edits this test. It starts in an empty directory and uses the
+README's relative paths (``ca/``, ``pki/``, ``models/tiny``, ``job.toml``), so
+every step a newcomer needs is one the README gives. What the test changes, and
+nothing more:
 
 - the README's example ports (7000, 7001, 7100, 7200) become free ports found
   here, so the walkthrough runs beside anything else on the machine;
@@ -11,10 +14,9 @@ this test. What the test changes, and nothing more:
 - ``submit`` gets ``--output json`` so the job id can be read, and ``JOB_ID``
   becomes that id;
 - from the certificates block only the CA commands run (its other lines are
-  examples naming files that do not exist yet).
-
-``job.toml`` and the model under ``models/`` are made here: the README leaves
-both to the user.
+  examples naming files that do not exist yet);
+- the ``by-hand-job-file`` block is written, verbatim, to ``job.toml`` (the
+  README says "save this as job.toml").
 """
 
 from __future__ import annotations
@@ -114,21 +116,14 @@ class Walkthrough:
 
 
 def test_the_readme_walkthrough_trains_and_fetches_a_model(tmp_path: Path) -> None:
-    from hypha.models import save_tiny_model
-
     ca_commands = [
         c for c in commands(marked_block("certificates")) if re.match(r"hypha-certutil (root|org)\b", c)
     ]
     assert len(ca_commands) == 2, ca_commands
     mesh = commands(marked_block("by-hand-mesh"))
     jobs = commands(marked_block("by-hand-jobs"))
-    save_tiny_model("causal-lm", tmp_path / "models" / "tiny", seed=0)
-    (tmp_path / "job.toml").write_text(
-        '[job]\nname = "walkthrough"\ndataset = "arithmetic"\nrounds = 2\nsamples_per_round = 64\n'
-        "min_batch_size = 8\nmax_batch_size = 8\n"
-        f'[job.model]\nlocal_path = {json.dumps(str(tmp_path / "models" / "tiny"))}\ntype = "causal-lm"\n'
-        "[job.resources]\nnum_workers = 2\n"
-    )
+    assert any(c.startswith("hypha tiny-model ") for c in jobs), "the README makes no model"
+    (tmp_path / "job.toml").write_text(marked_block("by-hand-job-file"))
     walk = Walkthrough(tmp_path)
     try:
         for command in [*ca_commands, *mesh, *jobs]:

@@ -8,6 +8,7 @@
     hypha fetch JOB --out DIR           hypha version
     hypha scale JOB --workers N
     hypha up | down | demo              (the local cluster)
+    hypha tiny-model DIR                (the demo's initial model, for a job by hand)
 
 Global flags (before or after the command): ``--scheduler HOST:PORT``,
 ``--certs DIR --name N`` (the client certificate N-cert.pem, N-key.pem,
@@ -37,7 +38,7 @@ import sys
 
 import grpc
 
-from hypha.client.commands import jobs, local, workers
+from hypha.client.commands import jobs, local, models, workers
 from hypha.client.output import json_out, print_json
 from hypha.client.registry import COMMANDS, EXIT_FAILED, EXIT_OK, EXIT_USAGE, Command, UsageError, register
 from hypha.errors import HyphaError
@@ -70,6 +71,7 @@ register("version", Command("print the version", lambda p: None, _version))
 register("up", local.UP)
 register("down", local.DOWN)
 register("demo", local.DEMO)
+register("tiny-model", models.TINY_MODEL)
 
 
 def _global_flags(parser: argparse.ArgumentParser, *, suppress: bool) -> None:

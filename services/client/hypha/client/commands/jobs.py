@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
+import tomllib
 from dataclasses import asdict
 from pathlib import Path
 
@@ -50,10 +52,12 @@ def _submit(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.file}: {err.strerror}") from None
     except UnicodeDecodeError:
         raise UsageError(f"{args.file}: not a UTF-8 text file") from None
+    # A task's files and a relative model local_path are relative to the job file (to the
+    # working directory for stdin); the scheduler gets the local_path made absolute.
+    base = Path.cwd() if args.file == "-" else absolute_path(args.file).parent
+    text = resolve_local_paths(text, base)
     try:
         spec = parse_job_toml(text)  # the scheduler checks again; this names the file's key before any call
-        # A task's files are relative to the job file (to the working directory for stdin).
-        base = Path.cwd() if args.file == "-" else absolute_path(args.file).parent
         files = pack(list(spec.task.files), base) if spec.task.files else b""
     except HyphaError as err:
         raise UsageError(f"{args.file}: {err.message}") from None
@@ -71,6 +75,46 @@ def _submit(args: argparse.Namespace) -> int:
         return EXIT_OK
 
     return run_session(args, body)
+
+
+def resolve_local_paths(text: str, base: Path) -> str:
+    """A job file's text with each relative ``[job.model]``/``[job.preprocessor]`` ``local_path``
+    made absolute against ``base`` (the job file's directory), for ``hypha submit``.
+
+    ``local_path`` is a path on the workers, and the scheduler refuses a relative one
+    (nothing there knows where the file came from). The submitting machine does know: a
+    walkthrough on one machine keeps ``models/`` beside ``job.toml``, and the workers'
+    ``local_model_roots`` name the same directory. The text comes back unchanged when
+    nothing is relative (so the scheduler sees the user's own file) or when it is not
+    valid TOML (``parse_job_toml`` then names the error); otherwise it is rewritten as
+    one inline table per top-level key, which parses to the same document.
+    """
+    from hypha.config.template import toml_value
+    from hypha.jobfile import MAX_JOB_FILE_BYTES
+
+    if len(text) > MAX_JOB_FILE_BYTES:
+        return text
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return text
+    scheduler = data.get("scheduler")
+    jobs = [data.get("job"), scheduler.get("job") if isinstance(scheduler, dict) else None]
+    changed = False
+    for job in jobs:
+        if not isinstance(job, dict):
+            continue
+        for section in ("model", "preprocessor"):
+            table = job.get(section)
+            if not isinstance(table, dict):
+                continue
+            local = table.get("local_path")
+            if isinstance(local, str) and local and not local.startswith(("/", "~")):
+                table["local_path"] = os.path.normpath(base / local)
+                changed = True
+    if not changed:
+        return text
+    return "".join(f"{toml_value(key)} = {toml_value(value)}\n" for key, value in data.items())
 
 
 def _add_status(p: argparse.ArgumentParser) -> None:
