@@ -14,8 +14,10 @@ import pytest
 from hypha.client import cli
 from hypha.client.commands.jobs import resolve_local_paths
 from hypha.jobfile import parse_job_toml
+from hypha.net.server import NodeServer
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.store import LogEntry, WorkerMetric
+from hypha.v1 import scheduler_pb2_grpc
 from tests.conftest import Pki
 from tests.scheduler.test_jobfile import INFERENCE
 from tests.scheduler.test_servicer import DILOCO_TOML, TASK_TOML, Served, serve_api
@@ -142,6 +144,39 @@ async def test_watch_shows_rounds_loss_and_throughput_and_exits_0_on_success(
     # Plain text (not a terminal): one line per event.
     code, text, _ = await hypha(served, pki, tmp_path, "watch", job.job_id)
     assert code == 0 and text.count("\n") == 1 and "succeeded round 2/4 loss 2.6000" in text
+
+
+async def test_watch_outlives_a_scheduler_restart_and_ends_with_the_job(
+    served: Served, pki: Pki, tmp_path: Path
+) -> None:
+    # The scheduler resumes its jobs after a restart; a watch must not end when it goes away.
+    job = await served.api.submit_spec(pki.tls("client").identity, parse_job_toml(DILOCO_TOML))
+    proc = await start(served, pki, tmp_path, "watch", job.job_id, "--output", "json")
+    assert proc.stdout is not None and proc.stderr is not None
+    first = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+    assert first["job"]["state"] == "pending"
+
+    port = served.server.port
+    await served.server.stop(0)  # the scheduler is gone ...
+    lost = await asyncio.wait_for(proc.stderr.readline(), 30)
+    assert b"scheduler unreachable" in lost and b"reconnecting" in lost
+    await served.store.transition(job.job_id, JobState.ALLOCATING)
+    await served.store.transition(job.job_id, JobState.RUNNING, workers=["w1", "w2"])
+    back = NodeServer(  # ... and back on its address, with the same store
+        pki.tls("scheduler"),
+        f"127.0.0.1:{port}",
+        [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, served.api, "hypha.v1.Scheduler")],
+    )
+    await back.start()
+    try:
+        resumed = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))
+        assert resumed["job"]["state"] == "running"  # the job as it is now
+        await served.store.transition(job.job_id, JobState.SUCCEEDED, reason="done")
+        raw, _ = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        await back.stop(0)
+    assert proc.returncode == 0
+    assert [json.loads(line)["job"]["state"] for line in raw.decode().splitlines()] == ["succeeded"]
 
 
 async def test_logs_fetch_and_workers(served: Served, pki: Pki, tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ import grpc
 
 from hypha.client import demo_eval
 from hypha.client.cluster import Cluster, stop_process
+from hypha.client.follow import TERMINAL, follow_job
 from hypha.client.plot import training_plot
 from hypha.errors import HyphaError
 from hypha.filestream import receive_files
@@ -62,7 +63,6 @@ OUTER_LR = 1.0
 OUTER_MOMENTUM = 0.0
 #: Points of the accuracy curve (besides before and after).
 CURVE_POINTS = 10
-TERMINAL = {common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED}
 
 
 def _quiet_transformers() -> None:
@@ -263,7 +263,7 @@ async def run_job(
                 _collect_while(stop, cluster.state_dir, run.job_id, thetas_dir, run.thetas)
             )
         try:
-            async for event in stub.WatchJob(scheduler_pb2.WatchJobRequest(job_id=run.job_id), timeout=1800):
+            async for event in follow_job(stub, run.job_id, on_lost=view.note):
                 job = event.job
                 view.event(job.round, job.loss, [(w.worker_id, w.samples_per_second) for w in event.workers])
                 if job.state in TERMINAL:

@@ -79,6 +79,13 @@ class LiveView:
             else:
                 self.say(line)
 
+    def note(self, text: str) -> None:
+        """A line between the rounds (the scheduler went away and is being reconnected)."""
+        if self._progress is not None:
+            self._progress.console.print(f"  {text}", markup=False)
+        else:
+            self.say(f"  {text}")
+
     def done(self) -> None:
         if self._progress is not None:
             self._progress.stop()

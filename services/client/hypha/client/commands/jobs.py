@@ -13,6 +13,7 @@ from pathlib import Path
 from rich.live import Live
 
 from hypha.cli.paths import absolute_path
+from hypha.client.follow import follow_job
 from hypha.client.output import (
     JOB_HEADERS,
     console,
@@ -151,6 +152,8 @@ def _add_watch(p: argparse.ArgumentParser) -> None:
 async def watch_stream(s: Session, job_id: str, args: argparse.Namespace) -> int:
     """Print a job's events until it ends; exit 0 only if it succeeded.
 
+    A scheduler restart does not end the watch: it reconnects (``hypha.client.follow``).
+
     On a terminal a rich ``Live`` view redraws the job in place; otherwise one
     plain line per event (or one JSON object per event with ``--output json``).
     """
@@ -158,7 +161,9 @@ async def watch_stream(s: Session, job_id: str, args: argparse.Namespace) -> int
     live = Live(console=out, auto_refresh=False) if out.is_terminal and not json_out(args) else None
     last: scheduler_pb2.JobEvent | None = None
     with live or contextlib.nullcontext():
-        async for event in s.stub.WatchJob(scheduler_pb2.WatchJobRequest(job_id=job_id)):
+        async for event in follow_job(
+            s.stub, job_id, on_lost=lambda why: print(why, file=sys.stderr, flush=True)
+        ):
             last = event
             if json_out(args):
                 print_json(event_dict(event))
@@ -169,6 +174,10 @@ async def watch_stream(s: Session, job_id: str, args: argparse.Namespace) -> int
     if last is None:
         return EXIT_FAILED
     return EXIT_OK if last.job.state == common_pb2.JOB_STATE_SUCCEEDED else EXIT_FAILED
+
+
+def _to_stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def _watch(args: argparse.Namespace) -> int:
