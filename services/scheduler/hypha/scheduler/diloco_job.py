@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import logging
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -367,28 +368,29 @@ class DilocoRun(ParameterServerRecovery):
     async def _lease_workers(self) -> tuple[HeldLease, list[HeldLease]]:
         """The parameter server's lease and the trainers', on distinct workers, or ``Shortfall``
         with none of them held."""
-        runs, spec = self.runs, self.diloco
-        (ps,) = await runs.lease_many(
-            self,
-            Requirements.from_proto(spec.parameter_server_requirements),
-            1,
-            price_range(spec.parameter_server_price),
-            spec.selection_policy,
-            what="a parameter server",
-        )
+        (ps,) = await self.lease_servers(exclude=(), what="a parameter server")
         try:
-            trainers = await runs.lease_many(
-                self,
-                Requirements.from_proto(spec.worker_requirements),
-                int(spec.num_workers),
-                price_range(spec.worker_price),
-                spec.selection_policy,
-                exclude={ps.worker_id},
-            )
+            trainers = await self.lease_trainers(int(self.diloco.num_workers), exclude={ps.worker_id})
         except Shortfall:
-            await runs.release_lease(self, ps, cancel=False)
+            await self.runs.release_lease(self, ps, cancel=False)
             raise
         return ps, trainers
+
+    async def lease_trainers(
+        self, count: int, *, exclude: Collection[str], what: str = "trainers", patience_s: float | None = None
+    ) -> list[HeldLease]:
+        """``count`` trainer leases by the job's requirements, price and policy (``lease_many``)."""
+        spec = self.diloco
+        return await self.runs.lease_many(
+            self,
+            Requirements.from_proto(spec.worker_requirements),
+            count,
+            price_range(spec.worker_price),
+            spec.selection_policy,
+            exclude=exclude,
+            what=what,
+            patience_s=patience_s,
+        )
 
     async def _save(self) -> None:
         """Save what resuming the job after a scheduler restart needs (``diloco_resume``); the
@@ -528,14 +530,9 @@ class DilocoRun(ParameterServerRecovery):
                     reason=Reason.WORKER_LOST.format(worker=worker_id),
                 )
             exclude = set(self.trainers) | ({self.ps.worker_id} if self.ps else set())
-            spec = self.diloco
             try:
-                leases = await runs.lease_many(
-                    self,
-                    Requirements.from_proto(spec.worker_requirements),
+                leases = await self.lease_trainers(
                     1,
-                    price_range(spec.worker_price),
-                    spec.selection_policy,
                     exclude=exclude,
                     what="replacement trainers",
                     patience_s=runs.jobs_cfg.replace_patience_s,

@@ -55,7 +55,6 @@ from hypha.scheduler.elastic import grow
 from hypha.scheduler.providers import provider_peer
 from hypha.scheduler.ps_state import KeptState, StateKeeper, packed_round
 from hypha.scheduler.retry import Outcome
-from hypha.scheduler.runs import price_range
 from hypha.scheduler.slices import SliceSnapshot, SliceTracker
 from hypha.scheduler.worker_calls import describe
 
@@ -233,22 +232,14 @@ async def _retake_trainer(run: DilocoRun, worker_id: str) -> None:
     round: nothing restarts); another one is released, and the trainer is
     replaced as a lost one (``DilocoRun._replace_trainer``).
     """
-    runs, spec = run.runs, run.diloco
+    runs = run.runs
     trainer = run.trainers.get(worker_id)
     if trainer is None or run.over:
         return
     why = f"trainer {worker_id} lost while the scheduler was away"
     exclude = (set(run.trainers) - {worker_id}) | ({run.ps.worker_id} if run.ps else set())
     try:
-        (lease,) = await runs.lease_many(
-            run,
-            Requirements.from_proto(spec.worker_requirements),
-            1,
-            price_range(spec.worker_price),
-            spec.selection_policy,
-            exclude=exclude,
-            what="trainers",
-        )
+        (lease,) = await run.lease_trainers(1, exclude=exclude)
     except HyphaError as err:
         log.warning("job %s: %s; leasing it again failed: %s", run.job_id, why, err)
         await run._replace_trainer(worker_id, why, lost=True)

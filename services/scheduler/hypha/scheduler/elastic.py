@@ -35,8 +35,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from hypha.errors import FailedPreconditionError, HyphaError, InvalidArgumentError
-from hypha.market.resources import Requirements
-from hypha.scheduler.runs import JobFailed, price_range
+from hypha.scheduler.runs import JobFailed
 from hypha.scheduler.worker_calls import describe
 
 if TYPE_CHECKING:
@@ -73,21 +72,13 @@ async def scale(run: DilocoRun, workers: int) -> None:
 
 async def grow(run: DilocoRun) -> None:
     """Lease trainers until the job has ``target_workers`` (see the module docstring)."""
-    runs, spec = run.runs, run.diloco
+    runs = run.runs
     run.growing = True
     try:
         while not run.over and len(run.trainers) < run.target_workers:
             exclude = set(run.trainers) | ({run.ps.worker_id} if run.ps else set())
             try:
-                (lease,) = await runs.lease_many(
-                    run,
-                    Requirements.from_proto(spec.worker_requirements),
-                    1,
-                    price_range(spec.worker_price),
-                    spec.selection_policy,
-                    exclude=exclude,
-                    what="more trainers",
-                )
+                (lease,) = await run.lease_trainers(1, exclude=exclude, what="more trainers")
             except JobFailed as err:
                 await runs.store.note(run.job_id, f"scaling up stopped at {len(run.trainers)}: {err.message}")
                 return

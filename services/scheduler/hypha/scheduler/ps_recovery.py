@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 from abc import abstractmethod
+from collections.abc import Collection
 
 import grpc
 
@@ -86,6 +87,22 @@ class ParameterServerRecovery(JobRun):
 
     @abstractmethod
     async def _save(self) -> None: ...
+
+    async def lease_servers(
+        self, *, exclude: Collection[str], what: str, patience_s: float | None = None
+    ) -> list[HeldLease]:
+        """One parameter server's lease by the job's requirements, price and policy."""
+        spec = self.diloco
+        return await self.runs.lease_many(
+            self,
+            Requirements.from_proto(spec.parameter_server_requirements),
+            1,
+            price_range(spec.parameter_server_price),
+            spec.selection_policy,
+            exclude=exclude,
+            what=what,
+            patience_s=patience_s,
+        )
 
     # ---- commit --------------------------------------------------------------------------
 
@@ -169,15 +186,9 @@ class ParameterServerRecovery(JobRun):
             return old
         if old.lease_id in self.leases:
             await self.runs.release_lease(self, old, cancel=False)
-        spec = self.diloco
         # No worker may be free right now (all busy, the lost one not back yet): wait for one, up
         # to ``replace_patience_s``; then JobFailed, a HyphaError, ends the job with that reason.
-        (lease,) = await self.runs.lease_many(
-            self,
-            Requirements.from_proto(spec.parameter_server_requirements),
-            1,
-            price_range(spec.parameter_server_price),
-            spec.selection_policy,
+        (lease,) = await self.lease_servers(
             exclude=set(self._trainer_ids()),
             what="a replacement parameter server",
             patience_s=self.runs.jobs_cfg.replace_patience_s,
