@@ -10,6 +10,12 @@ after it with ``--set`` overrides, so configs never hold stale ports.
 Start order: gateway gw0, gateway gw1 (federated with gw0, DHT bootstrapped
 through it), data node, scheduler, workers. Stop order is the reverse; each
 node gets SIGTERM, then SIGKILL after a grace period.
+
+A node that exits on its own (a crash, a SIGKILL, the OOM killer) is started
+again on the address it had, as ``restart: unless-stopped`` does in the
+compose file: the scheduler resumes its jobs, a worker re-attaches, a gateway
+is found again at its old address. One that keeps exiting (``RESTART_LIMIT``
+times within ``RESTART_WINDOW_S``) is left down and reported.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ ROLE_MODULES = {
 DEFAULT_STATE_DIR = Path(os.environ.get("HYPHA_STATE_DIR", ".hypha"))
 READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
+#: A node that exits this many times within the window is in a crash loop: left down.
+RESTART_LIMIT = 5
+RESTART_WINDOW_S = 60.0
 
 
 @dataclass
@@ -305,16 +314,29 @@ class Supervisor:
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
-        reported: set[str] = set()
+        given_up: set[str] = set()
+        exits: dict[str, list[float]] = {}
         while not stop:
-            for name, proc in self.procs.items():
-                if proc.poll() is not None and name not in reported:
-                    reported.add(name)
+            for name, proc in list(self.procs.items()):
+                if proc.poll() is None or name in given_up:
+                    continue
+                now = time.monotonic()
+                recent = [t for t in exits.get(name, []) if now - t < RESTART_WINDOW_S] + [now]
+                exits[name] = recent
+                said = f"hypha up: {name} exited with {proc.returncode}; see {self.info[name]['log']}"
+                if len(recent) > RESTART_LIMIT:
+                    given_up.add(name)
                     print(
-                        f"hypha up: {name} exited with {proc.returncode}; see {self.info[name]['log']}",
+                        f"{said}; {len(recent)} exits within {RESTART_WINDOW_S:.0f} s, left down",
                         file=sys.stderr,
                         flush=True,
                     )
+                    continue
+                print(f"{said}; restarting it", file=sys.stderr, flush=True)
+                try:
+                    self.restart_node(name)
+                except RuntimeError as err:  # it did not come up: counted, tried again next time round
+                    print(f"hypha up: {name} did not restart: {err}", file=sys.stderr, flush=True)
             time.sleep(0.2)  # supervising children: poll their exit status
         self.stop_all()
         return 0
