@@ -427,3 +427,27 @@ async def test_a_fresh_cache_answers_without_asking_anyone(
     assert [r.provider for r in first] == [r.provider for r in again] == [providers[0].peer_id]
     assert [r.provider for r in whole] == [providers[0].peer_id]
     assert asked  # only the whole walk (min_providers=None) went to the network
+
+
+async def test_a_fresh_cache_with_fewer_than_min_providers_asks_the_network(
+    cluster: Cluster, providers: list[Identity], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: the reader's cache holds one provider, fresh; two more announce afterwards.
+    nodes = await cluster(6, cache_fresh_s=30.0)
+    await nodes[0].announce(signed(providers[0], port=7000))
+    reader = nodes[-1]
+    reader.providers.prune()
+    assert len(await reader.find_providers("mnist", timeout_s=3.0)) == 1
+    await reader.wait_refreshed()
+    for i in (1, 2):
+        assert await nodes[i].announce(signed(providers[i], port=7000 + i)) > 0
+
+    # Execute
+    asked = count_asked(reader, monkeypatch)
+    one = await reader.find_providers("mnist", timeout_s=3.0)  # one is enough: the cache answers
+    three = await reader.find_providers("mnist", timeout_s=3.0, min_providers=3)
+
+    # Assert
+    assert [r.provider for r in one] == [providers[0].peer_id]
+    assert asked  # the cache had too few for three: the network was asked
+    assert {r.provider for r in three} == {p.peer_id for p in providers[:3]}
