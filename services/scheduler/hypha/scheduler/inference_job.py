@@ -36,6 +36,7 @@ from hypha import bundles
 from hypha.bundles import BundleStore
 from hypha.errors import HyphaError, NotFoundError
 from hypha.market.allocator import HeldLease
+from hypha.market.pricing import PriceRange
 from hypha.market.resources import Requirements
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.providers import DatasetProviders, provider_peer
@@ -84,47 +85,31 @@ class InferenceRun(TaskRun):
             available=True, index=index, dataset=dataset, providers=self.data_providers
         )
 
-    async def drive(self, job: JobRecord) -> None:
-        runs, store, spec = self.runs, self.runs.store, self.inference
-        await self._prepare()
-        misses = 0
-        while True:
-            await store.transition(self.job_id, JobState.ALLOCATING, expected=JobState.PENDING)
-            lease = await runs.lease_one_or_requeue(
-                self,
-                Requirements.from_proto(spec.requirements),
-                price_range(spec.price),
-                spec.selection_policy,
-                misses,
-                what="inference worker",
-            )
-            if lease is None:
-                misses += 1
-                continue
-            misses = 0
-            ended, code, message = await self._run_attempt(lease, self.attempt + 1, spec.timeout_s)
-            await runs.release_lease(self, lease, cancel=ended not in (Outcome.SUCCEEDED, Outcome.FAILED))
-            if ended is Outcome.SUCCEEDED:
-                target = await self._pull(lease.worker_id)
-                await store.transition(
-                    self.job_id,
-                    JobState.SUCCEEDED,
-                    expected=JobState.RUNNING,
-                    reason=message or "inference done",
-                    exit_code=code,
-                    result_path=target,
-                )
-                return
-            described = ended.value + (f" ({message})" if message else "")
-            if ended is not Outcome.WORKER_LOST or self.attempt >= MAX_ATTEMPTS:
-                raise JobFailed(f"inference attempt {self.attempt}: {described}")
-            await store.transition(
-                self.job_id,
-                JobState.PENDING,
-                expected=JobState.RUNNING,
-                reason=f"attempt {self.attempt}: {described}; trying another worker",
-                not_before=time.time(),
-            )
+    what = "inference worker"
+    succeeded_reason = "inference done"
+
+    def _terms(self) -> tuple[Requirements, PriceRange | None, str, float]:
+        spec = self.inference
+        return (
+            Requirements.from_proto(spec.requirements),
+            price_range(spec.price),
+            spec.selection_policy,
+            spec.timeout_s,
+        )
+
+    async def _after_failure(self, ended: Outcome, code: int, described: str) -> bool:
+        """A lost worker is tried again on a fresh lease (up to ``MAX_ATTEMPTS``); anything else
+        would fail again."""
+        if ended is not Outcome.WORKER_LOST or self.attempt >= MAX_ATTEMPTS:
+            raise JobFailed(f"inference attempt {self.attempt}: {described}")
+        await self.runs.store.transition(
+            self.job_id,
+            JobState.PENDING,
+            expected=JobState.RUNNING,
+            reason=f"attempt {self.attempt}: {described}; trying another worker",
+            not_before=time.time(),
+        )
+        return True
 
     async def _prepare(self) -> None:
         """Find the dataset's providers and pack the model job's result, before any lease is held."""
@@ -161,7 +146,7 @@ class InferenceRun(TaskRun):
             reason = err.message if isinstance(err, HyphaError) else str(err)
             raise JobFailed(f"model_job {model_job}: its result cannot be shipped: {reason}") from err
 
-    async def _run_attempt(self, lease: HeldLease, attempt: int, timeout_s: float) -> AttemptEnd:
+    async def _attempt(self, lease: HeldLease, attempt: int, timeout_s: float) -> AttemptEnd:
         """Dispatch attempt ``attempt`` (the job goes RUNNING) and wait for its end."""
         self.attempt, self.worker_id, self.next_index = attempt, lease.worker_id, 0
         self.outcome = asyncio.get_running_loop().create_future()
@@ -202,7 +187,7 @@ class InferenceRun(TaskRun):
                 f"{worker_id} refused the model of model_job {self.inference.model_job}: {reply.message}"
             )
 
-    async def _pull(self, worker_id: str) -> str:
+    async def _pull_outputs(self, worker_id: str) -> str:
         """The result (outputs.jsonl, metrics.json), pulled into the scheduler's result dir."""
         runs = self.runs
         target = result_dir(self.state_dir, self.job_id)

@@ -28,6 +28,7 @@ import grpc
 from hypha.bundles import BundleStore
 from hypha.errors import HyphaError
 from hypha.market.allocator import HeldLease
+from hypha.market.pricing import PriceRange
 from hypha.market.resources import Requirements
 from hypha.scheduler.lifecycle import JobState, Reason
 from hypha.scheduler.results import ResultPullError, pull_result, result_dir, result_limits
@@ -67,11 +68,10 @@ class TaskRun(JobRun):
             self.outcome.set_result(end)
 
     async def drive(self, job: JobRecord) -> None:
+        """Attempts until one succeeds or ``_after_failure`` ends the job (inference jobs share this)."""
         runs, store = self.runs, self.runs.store
-        spec = self.spec.task
-        requirement = Requirements.from_proto(spec.requirements)
-        price = price_range(spec.price)
-        policy = RetryPolicy.from_proto(spec.retry)
+        await self._prepare()
+        requirement, price, policy, timeout_s = self._terms()
         misses = 0
         while True:
             job = await store.get(self.job_id)
@@ -81,12 +81,12 @@ class TaskRun(JobRun):
             if delay > 0:
                 await asyncio.sleep(delay)
             await store.transition(self.job_id, JobState.ALLOCATING, expected=JobState.PENDING)
-            lease = await runs.lease_one_or_requeue(self, requirement, price, spec.selection_policy, misses)
+            lease = await runs.lease_one_or_requeue(self, requirement, price, policy, misses, self.what)
             if lease is None:
                 misses += 1
                 continue
             misses = 0
-            ended, code, message = await self._attempt(lease, job.attempt + 1, spec.timeout_s)
+            ended, code, message = await self._attempt(lease, job.attempt + 1, timeout_s)
             await runs.release_lease(self, lease, cancel=ended not in (Outcome.SUCCEEDED, Outcome.FAILED))
             if ended is Outcome.SUCCEEDED:
                 result_path = await self._pull_outputs(lease.worker_id)
@@ -94,32 +94,56 @@ class TaskRun(JobRun):
                     self.job_id,
                     JobState.SUCCEEDED,
                     expected=JobState.RUNNING,
-                    reason=message or "exit code 0",
+                    reason=message or self.succeeded_reason,
                     exit_code=code,
                     **({"result_path": result_path} if result_path else {}),
                 )
                 return
-            decision = policy.decide(self.attempt, ended, time.time())
-            described = ended.value + (f" ({message})" if message else "")
-            if not decision.retry:
-                await store.transition(
-                    self.job_id,
-                    JobState.FAILED,
-                    expected=JobState.RUNNING,
-                    reason=Reason.OUT_OF_RETRIES.format(attempt=self.attempt, outcome=described),
-                    exit_code=code,
-                )
+            if not await self._after_failure(ended, code, ended.value + (f" ({message})" if message else "")):
                 return
+
+    #: What an attempt leases, as reasons name it, and the reason of a success without a message.
+    what = "worker"
+    succeeded_reason = "exit code 0"
+
+    async def _prepare(self) -> None:
+        """Work before the first lease (an inference job looks up its data and packs its model)."""
+
+    def _terms(self) -> tuple[Requirements, PriceRange | None, str, float]:
+        """What an attempt leases and for how long: requirements, price, selection policy, timeout."""
+        spec = self.spec.task
+        return (
+            Requirements.from_proto(spec.requirements),
+            price_range(spec.price),
+            spec.selection_policy,
+            spec.timeout_s,
+        )
+
+    async def _after_failure(self, ended: Outcome, code: int, described: str) -> bool:
+        """The job's retry policy after a failed attempt: back to PENDING for the next one (True), or
+        FAILED (False)."""
+        store = self.runs.store
+        decision = RetryPolicy.from_proto(self.spec.task.retry).decide(self.attempt, ended, time.time())
+        if not decision.retry:
             await store.transition(
                 self.job_id,
-                JobState.PENDING,
+                JobState.FAILED,
                 expected=JobState.RUNNING,
-                reason=Reason.RETRY_SCHEDULED.format(
-                    attempt=self.attempt, outcome=described, delay_s=decision.delay_s
-                ),
-                not_before=decision.at,
+                reason=Reason.OUT_OF_RETRIES.format(attempt=self.attempt, outcome=described),
                 exit_code=code,
             )
+            return False
+        await store.transition(
+            self.job_id,
+            JobState.PENDING,
+            expected=JobState.RUNNING,
+            reason=Reason.RETRY_SCHEDULED.format(
+                attempt=self.attempt, outcome=described, delay_s=decision.delay_s
+            ),
+            not_before=decision.at,
+            exit_code=code,
+        )
+        return True
 
     async def _attempt(self, lease: HeldLease, attempt: int, timeout_s: float) -> AttemptEnd:
         """Dispatch attempt number ``attempt`` on ``lease`` (the job goes RUNNING) and wait for its end."""
