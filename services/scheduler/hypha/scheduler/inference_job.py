@@ -36,13 +36,11 @@ from hypha import bundles
 from hypha.bundles import BundleStore
 from hypha.errors import HyphaError, NotFoundError
 from hypha.market.allocator import HeldLease
-from hypha.market.pricing import PriceRange
-from hypha.market.resources import Requirements
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.providers import DatasetProviders, provider_peer
 from hypha.scheduler.results import ResultPullError, pull_result, result_dir, result_limits
 from hypha.scheduler.retry import AttemptEnd, Outcome
-from hypha.scheduler.runs import JobFailed, RunRegistry, price_range
+from hypha.scheduler.runs import JobFailed, RunRegistry
 from hypha.scheduler.store import JobRecord
 from hypha.scheduler.task_job import TaskRun
 from hypha.v1 import common_pb2, scheduler_pb2, worker_pb2
@@ -88,14 +86,9 @@ class InferenceRun(TaskRun):
     what = "inference worker"
     succeeded_reason = "inference done"
 
-    def _terms(self) -> tuple[Requirements, PriceRange | None, str, float]:
-        spec = self.inference
-        return (
-            Requirements.from_proto(spec.requirements),
-            price_range(spec.price),
-            spec.selection_policy,
-            spec.timeout_s,
-        )
+    @property
+    def terms(self) -> common_pb2.InferenceJobSpec:
+        return self.inference
 
     async def _after_failure(self, ended: Outcome, code: int, described: str) -> bool:
         """A lost worker is tried again on a fresh lease (up to ``MAX_ATTEMPTS``); anything else

@@ -109,15 +109,15 @@ class TaskRun(JobRun):
     async def _prepare(self) -> None:
         """Work before the first lease (an inference job looks up its data and packs its model)."""
 
+    @property
+    def terms(self) -> common_pb2.TaskJobSpec | common_pb2.InferenceJobSpec:
+        """The part of the spec with what an attempt leases: requirements, price, policy, timeout."""
+        return self.spec.task
+
     def _terms(self) -> tuple[Requirements, PriceRange | None, str, float]:
-        """What an attempt leases and for how long: requirements, price, selection policy, timeout."""
-        spec = self.spec.task
-        return (
-            Requirements.from_proto(spec.requirements),
-            price_range(spec.price),
-            spec.selection_policy,
-            spec.timeout_s,
-        )
+        spec = self.terms
+        requirement, price = Requirements.from_proto(spec.requirements), price_range(spec.price)
+        return requirement, price, spec.selection_policy, spec.timeout_s
 
     async def _after_failure(self, ended: Outcome, code: int, described: str) -> bool:
         """The job's retry policy after a failed attempt: back to PENDING for the next one (True), or
