@@ -10,4 +10,4 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 .venv/bin/ruff format --check libs services tests benchmarks scripts
 .venv/bin/ruff check libs services tests benchmarks scripts
 .venv/bin/mypy
-.venv/bin/pytest -q "$@"
+.venv/bin/pytest -q --durations=25 "$@"
