@@ -1,4 +1,4 @@
-"""The gateway and scheduler processes never load torch (issue 11: slim core images).
+"""The gateway and scheduler processes, and every role's probe, never load torch (issue 11: slim core images).
 
 A gateway or scheduler container is built without torch; if one of their
 import chains reached torch (``hypha.tensors.payload``, the model factories,
@@ -11,6 +11,7 @@ imports, which catches the pure-Python ``transformers`` too.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -49,7 +50,7 @@ def _imported_roots(log: str) -> set[str]:
     return {match.group(1).split(".")[0] for match in map(_IMPORT_LINE.match, log.splitlines()) if match}
 
 
-def test_gateway_and_scheduler_processes_load_no_torch(pki: Pki, tmp_path: Path) -> None:
+def test_gateway_and_scheduler_processes_and_a_worker_probe_load_no_torch(pki: Pki, tmp_path: Path) -> None:
     env = {"PYTHONPROFILEIMPORTTIME": "1", "HF_HUB_OFFLINE": "1"}
     gateway_cfg, scheduler_cfg = tmp_path / "gateway.toml", tmp_path / "scheduler.toml"
     _init(cli("hypha-gateway"), "gateway", pki, gateway_cfg)
@@ -81,6 +82,19 @@ def test_gateway_and_scheduler_processes_load_no_torch(pki: Pki, tmp_path: Path)
             assert "hypha" in roots, "the import log was not written"  # the check below can see imports
             heavy = sorted(roots.intersection(HEAVY))
             assert not heavy, f"{node.log_path.stem} imported {heavy}"
+        # A container's healthcheck runs ``hypha-<role> probe`` every few seconds: a worker's too must
+        # not load the role's modules (torch: seconds of CPU each time).
+        probe = subprocess.run(
+            [*cli("hypha-worker"), "probe", gateway.address, "--certs", str(pki.dir), "--name", "gateway"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **env},
+        )
+        assert probe.returncode == 0, probe.stderr
+        roots = _imported_roots(probe.stderr)
+        assert "hypha" in roots and not roots.intersection(HEAVY), sorted(roots)
+        assert not any(line.strip().endswith("hypha.worker.app") for line in probe.stderr.splitlines())
     finally:
         for node in reversed(nodes):
             assert node.stop() == 0, node.log()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import signal
@@ -44,7 +45,10 @@ class RoleCli:
     role: Role
     prog: str
     settings_cls: type[NodeSettings]
-    build: Callable[[Any, TlsMaterial], Node]
+    #: "module:function" building the node from (settings, tls): imported by ``run`` only, so
+    #: ``init`` and ``probe`` (a container's healthcheck, every few seconds) never load the role's
+    #: modules (a worker's pull in torch: seconds of CPU per probe).
+    build: str
     description: str = ""
     #: Values ``init`` writes beyond name/tls/net, from its parsed flags.
     init_values: Callable[[argparse.Namespace], dict[str, Any]] | None = None
@@ -53,6 +57,12 @@ class RoleCli:
     #: Extra subcommands: name -> (help, handler(argv) -> exit code).
     commands: dict[str, tuple[str, Callable[[list[str]], int]]] = field(default_factory=dict)
     default_listen: str = "127.0.0.1:0"
+
+
+def _import_build(path: str) -> Callable[[Any, TlsMaterial], Node]:
+    module, _, name = path.partition(":")
+    built: Callable[[Any, TlsMaterial], Node] = getattr(importlib.import_module(module), name)
+    return built
 
 
 def _fail(prog: str, message: str, code: int = EXIT_USAGE) -> int:
@@ -173,7 +183,8 @@ def _run(spec: RoleCli, args: argparse.Namespace) -> int:
             f"but {spec.prog} needs a {spec.role.value} certificate"
         )
     try:
-        return asyncio.run(_serve(lambda: spec.build(settings, tls), args.ready_file))
+        build = _import_build(spec.build)
+        return asyncio.run(_serve(lambda: build(settings, tls), args.ready_file))
     except HyphaError as err:
         return _fail(spec.prog, err.message, EXIT_FAILED)
     except OSError as err:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from hypha.cli.node import RoleCli, main_for
-from hypha.data.app import build
 from hypha.data.config import DataNodeSettings
 from hypha.datasets.prepare import main_prepare
 from hypha.pki.identity import Role
@@ -12,7 +11,7 @@ CLI = RoleCli(
     role=Role.DATA,
     prog="hypha-data",
     settings_cls=DataNodeSettings,
-    build=build,
+    build="hypha.data.app:build",
     description="Data node: serves prepared datasets as slices.",
     commands={"prepare": ("turn raw data into a dataset directory of slices", main_prepare)},
 )

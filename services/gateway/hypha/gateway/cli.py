@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from hypha.cli.node import RoleCli, main_for
-from hypha.gateway.app import build
 from hypha.gateway.config import GatewaySettings
 from hypha.pki.identity import Role
 
@@ -11,7 +10,7 @@ CLI = RoleCli(
     role=Role.GATEWAY,
     prog="hypha-gateway",
     settings_cls=GatewaySettings,
-    build=build,
+    build="hypha.gateway.app:build",
     description="Gateway: the meeting point that relays pub/sub, direct messages and calls.",
 )
 

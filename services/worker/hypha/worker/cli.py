@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from hypha.cli.node import RoleCli, main_for
 from hypha.pki.identity import Role
-from hypha.worker.app import build
 from hypha.worker.config import WorkerSettings
 
 CLI = RoleCli(
     role=Role.WORKER,
     prog="hypha-worker",
     settings_cls=WorkerSettings,
-    build=build,
+    build="hypha.worker.app:build",
     description="Worker: sells compute and runs executors.",
 )
 
