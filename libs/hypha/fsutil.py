@@ -10,6 +10,8 @@ over the target, then fsync the directory so the rename itself is durable.
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -33,6 +35,32 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def replace_dir(source: Path, target: Path) -> None:
+    """Put the finished directory ``source`` at ``target``, replacing what was there.
+
+    A directory cannot be renamed over a non-empty one, so an existing
+    ``target`` is first moved aside (``.NAME.old-XXXX`` beside it), ``source``
+    renamed into place, and only then the old one removed. If the second
+    rename fails the old directory is put back: a reader finds the old
+    directory or the whole new one, never a mixture, and never nothing after
+    an error (after a crash between the two renames, the old one is the
+    ``.old-`` directory beside the target).
+    """
+    source, target = Path(source), Path(target)
+    if not target.exists():
+        os.rename(source, target)
+    else:
+        old = target.with_name(f".{target.name}.old-{secrets.token_hex(4)}")
+        os.rename(target, old)
+        try:
+            os.rename(source, target)
+        except BaseException:
+            os.rename(old, target)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(target.parent)
 
 
 def write_synced(path: Path, data: bytes) -> None:
@@ -62,4 +90,4 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["fsync_dir", "write_atomic", "write_synced"]
+__all__ = ["fsync_dir", "replace_dir", "write_atomic", "write_synced"]

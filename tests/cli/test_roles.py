@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import resource
+import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -61,6 +65,42 @@ def test_run_with_a_config_error_names_the_key_without_traceback(pki: Pki, tmp_p
     assert res.returncode == 2
     assert "bogus" in res.stderr and str(config) in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def _file_size_limit(limit: int) -> Callable[[], None]:
+    """A child's setup: writes past ``limit`` bytes fail (EFBIG), like a disk filling up midway."""
+
+    def setup() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return setup
+
+
+def test_an_init_interrupted_midway_leaves_the_previous_config(pki: Pki, tmp_path: Path) -> None:
+    # Prepare: a working config, and a second one that would replace it (--force)
+    prog = cli("hypha-gateway")
+    config = tmp_path / "gw.toml"
+    made = run_cli(*prog, "init", "--name", "gateway", "--certs", str(pki.dir), "--out", str(config))
+    assert made.returncode == 0, made.stderr
+    before = config.read_bytes()
+
+    # Execute: the disk "fills up" halfway through writing the new file
+    argv = [*prog, "init", "--name", "gateway", "--certs", str(pki.dir), "--out", str(config), "--force"]
+    res = subprocess.run(
+        [*argv, "--listen", "127.0.0.1:7999"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        preexec_fn=_file_size_limit(len(before) // 2),
+    )
+
+    # Assert: the write failed, and the previous config is whole and alone in its directory
+    assert res.returncode != 0
+    assert "File too large" in res.stderr
+    assert config.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["gw.toml"]
 
 
 def test_run_refuses_a_certificate_of_another_role(pki: Pki, tmp_path: Path) -> None:

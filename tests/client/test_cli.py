@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
+import subprocess
 import sys
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from hypha.client import cli
+from hypha.client.cluster import process_start
 from hypha.client.commands.jobs import resolve_local_paths
 from hypha.jobfile import parse_job_toml
 from hypha.net.server import NodeServer
@@ -354,3 +358,63 @@ async def test_scale_asks_the_scheduler_and_checks_the_count_first(
     assert code == 2 and "at least 1" in err
     code, _, err = await hypha(served, pki, tmp_path, "scale", "nope", "--workers", "2")
     assert code == 1 and err.startswith("hypha: error: NOT_FOUND")
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A real process that is no part of any cluster (its pid may be one a dead supervisor had)."""
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _cluster_file(state: Path, pid: int, started: int | None) -> Path:
+    """A ``cluster.json`` naming ``pid`` as supervisor and node (start times as ``hypha up`` records)."""
+    state.mkdir(parents=True, exist_ok=True)
+    node: dict[str, object] = {"pid": pid, "role": "gateway", "address": "127.0.0.1:1"}
+    record: dict[str, object] = {"supervisor": pid, "nodes": {"gw0": node}}
+    if started is not None:
+        record["supervisor_started"] = node["started"] = started
+    path = state / "cluster.json"
+    path.write_text(json.dumps(record))
+    return path
+
+
+@pytest.mark.parametrize("file", ["start times of other processes", "no start times, written before"])
+async def test_down_with_a_stale_cluster_file_signals_no_process_it_did_not_start(
+    file: str, sleeper: subprocess.Popen[bytes], pki: Pki, tmp_path: Path
+) -> None:
+    # Prepare: the supervisor was killed and its pid reused by an unrelated process
+    state = tmp_path / "state"
+    started = process_start(sleeper.pid)
+    assert started is not None
+    if file.startswith("start times"):
+        path = _cluster_file(state, sleeper.pid, started - 1)
+    else:  # a file from before start times were recorded, last written an hour ago
+        path = _cluster_file(state, sleeper.pid, None)
+        an_hour_ago = time.time() - 3600
+        os.utime(path, (an_hour_ago, an_hour_ago))
+
+    # Execute
+    code, out, err = await hypha(None, pki, tmp_path, "down", "--state-dir", str(state))
+
+    # Assert: nothing signalled, the file named stale and removed, exit 1 (nothing was running)
+    assert sleeper.poll() is None
+    assert code == 1 and out == ""
+    assert err.startswith(f"hypha down: {path} is stale:") and "signalled nothing" in err
+    assert not path.exists()
+
+
+async def test_down_stops_the_supervisor_the_cluster_file_recorded(
+    sleeper: subprocess.Popen[bytes], pki: Pki, tmp_path: Path
+) -> None:
+    path = _cluster_file(tmp_path / "state", sleeper.pid, process_start(sleeper.pid))
+
+    code, out, err = await hypha(None, pki, tmp_path, "down", "--state-dir", str(path.parent))
+
+    assert (code, out) == (0, "cluster stopped\n"), err
+    assert sleeper.wait(timeout=10) == -signal.SIGTERM
+    assert not path.exists()

@@ -1,14 +1,15 @@
-"""write_atomic: a reader sees the old file or the whole new one, with the mode asked for."""
+"""write_atomic / replace_dir: a reader sees the old file (directory) or the whole new one."""
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
 import pytest
 
 from hypha import fsutil
-from hypha.fsutil import write_atomic
+from hypha.fsutil import replace_dir, write_atomic
 
 
 def test_write_atomic_replaces_the_file_with_the_mode_given(tmp_path: Path) -> None:
@@ -49,3 +50,50 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(
     # Assert
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_replace_dir_swaps_a_whole_directory_in(tmp_path: Path) -> None:
+    # Prepare: a previous result, and the finished new one beside it
+    target, new = tmp_path / "result", tmp_path / "result.partial"
+    target.mkdir()
+    (target / "old.safetensors").write_bytes(b"old")
+    new.mkdir()
+    (new / "config.json").write_bytes(b"{}")
+
+    # Execute
+    replace_dir(new, target)
+
+    # Assert: only the new files, nothing left beside it
+    assert _tree(target) == {"config.json": b"{}"}
+    assert [p.name for p in tmp_path.iterdir()] == ["result"]
+
+
+def test_an_interrupted_replace_dir_leaves_the_previous_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: renaming the new directory into place fails (a full disk, an I/O error)
+    target, new = tmp_path / "result", tmp_path / "result.partial"
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(b"old weights")
+    new.mkdir()
+    (new / "model.safetensors").write_bytes(b"new weights")
+    rename = os.rename
+
+    def broken_rename(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        if Path(src) == new:
+            raise OSError("disk gone")
+        rename(src, dst)
+
+    monkeypatch.setattr(fsutil.os, "rename", broken_rename)
+
+    # Execute
+    with pytest.raises(OSError, match="disk gone"):
+        replace_dir(new, target)
+
+    # Assert: the previous result is whole and where it was; the new one is untouched
+    assert _tree(target) == {"model.safetensors": b"old weights"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result", "result.partial"]

@@ -19,7 +19,8 @@ from hypha.net.metrics_server import exposition
 from hypha.net.tls import TlsMaterial
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.metrics import SchedulerMetrics, StatusBridge
-from hypha.scheduler.rest import RestServer
+from hypha.scheduler.rest import RestServer, Route
+from hypha.scheduler.servicer import OPERATORS
 from hypha.v1 import common_pb2, scheduler_pb2
 from tests.conftest import Pki
 from tests.helpers import eventually
@@ -35,6 +36,11 @@ async def rest(pki: Pki, tmp_path: Path) -> AsyncIterator[tuple[Served, RestServ
             yield served, server
         finally:
             await server.stop()
+
+
+@pytest.fixture(scope="module")
+def other_client(pki: Pki) -> TlsMaterial:
+    return pki.issue("client", "rest-other-client")
 
 
 @contextlib.asynccontextmanager
@@ -183,6 +189,64 @@ async def test_metrics_are_served_to_any_role_and_the_api_only_to_operators(
     assert 'hypha_scheduler_jobs{kind="task",state="pending"} 1' in text
     assert "hypha_scheduler_tasks_queued 1" in text
     assert "# TYPE hypha_scheduler_allocation_duration_seconds histogram" in text
+
+
+async def test_task_env_values_reach_only_the_submitter_and_admins_over_rest(
+    rest: tuple[Served, RestServer], pki: Pki, other_client: TlsMaterial
+) -> None:
+    _, server = rest
+    api = f"{server.url}/api/v1"
+    secret = {"API_KEY": "sk-live-123"}
+    async with http(pki.tls("client"), pki.tls("client")) as session:
+        async with session.post(f"{api}/tasks", json={"command": "true", "env": secret}) as response:
+            created = await _json(response, 201)
+    assert created["spec"]["task"]["env"] == secret
+    for who, tls, expected in (
+        ("submitter", pki.tls("client"), secret),
+        ("admin", pki.tls("admin"), secret),
+        ("other client", other_client, {"API_KEY": "***"}),
+    ):
+        async with http(tls, pki.tls("client")) as session:
+            async with session.get(f"{api}/tasks/{created['job_id']}") as response:
+                got = await _json(response, 200)
+            async with session.get(f"{api}/jobs") as response:
+                (listed,) = (await _json(response, 200))["jobs"]
+        assert got["spec"]["task"]["env"] == listed["spec"]["task"]["env"] == expected, who
+
+
+async def test_a_route_gets_its_roles_from_the_route_table_not_its_path(
+    rest: tuple[Served, RestServer], pki: Pki
+) -> None:
+    # The old guard checked roles only for paths under /api/: any other route was open to every
+    # role of the network. Here an operators-only route outside /api/ refuses a worker.
+    served, _ = rest
+
+    class Extended(RestServer):
+        async def hello(self, request: web.Request) -> web.Response:
+            return web.json_response({"hello": "operator"})
+
+        def routes(self) -> tuple[Route, ...]:
+            return (*super().routes(), Route("GET", "/v2/hello", self.hello, OPERATORS))
+
+    server = Extended(served.api, pki.tls("scheduler"), "127.0.0.1:0", metrics=served.metrics)
+    await server.start()
+    try:
+        async with http(pki.tls("admin"), pki.tls("admin")) as session:
+            async with session.get(f"{server.url}/v2/hello") as response:
+                assert await _json(response, 200) == {"hello": "operator"}
+        async with http(pki.tls("worker"), pki.tls("worker")) as session:
+            async with session.get(f"{server.url}/v2/hello") as response:
+                assert (await _json(response, 403))["error"]["code"] == "PERMISSION_DENIED"
+            # A path no route matches is 404 whatever the role (the old guard said 403 under /api/),
+            # and a method the route lacks 405.
+            async with session.get(f"{server.url}/api/v1/no-such-route") as response:
+                assert response.status == 404
+            async with session.post(f"{server.url}/metrics") as response:
+                assert response.status == 405
+            async with session.get(f"{server.url}/metrics") as response:
+                assert response.status == 200
+    finally:
+        await server.stop()
 
 
 async def test_clients_without_a_trusted_certificate_cannot_connect(

@@ -189,6 +189,47 @@ async def test_structured_specs_get_defaults_and_secrets_never_leave(served: Ser
     assert stored.spec.diloco.model.token == "hf_x"  # the workers still get it
 
 
+ENV_TASK_TOML = TASK_TOML + 'env = { API_KEY = "sk-live-123", SEED = "7" }\n'
+
+
+def _env(job: scheduler_pb2.Job) -> dict[str, str]:
+    return dict(job.spec.task.env)
+
+
+async def test_task_env_values_are_shown_only_to_the_submitter_and_admins(
+    served: Served, pki: Pki, other_client: TlsMaterial
+) -> None:
+    # Every client may list every job, and a task's env is where its author puts an API key:
+    # another client sees which keys are set, never their values (GetJob, ListJobs, WatchJob).
+    secret = {"API_KEY": "sk-live-123", "SEED": "7"}
+    hidden = {"API_KEY": "***", "SEED": "***"}
+    async with (
+        client(pki.tls("client"), served.address) as mine,
+        client(other_client, served.address) as theirs,
+        client(pki.tls("admin"), served.address) as admin,
+    ):
+        job = await _submit(mine, ENV_TASK_TOML)
+        assert _env(job) == secret
+        views = {"submitter": mine, "admin": admin, "other client": theirs}
+        watches = {
+            who: aiter(stub.WatchJob(scheduler_pb2.WatchJobRequest(job_id=job.job_id)))
+            for who, stub in views.items()
+        }
+        firsts = {who: await asyncio.wait_for(anext(events), 5) for who, events in watches.items()}
+        await served.store.transition(job.job_id, JobState.CANCELLED, reason="done")
+        lasts = {who: [e async for e in events][-1] for who, events in watches.items()}
+
+        for who, stub in views.items():
+            expected = hidden if who == "other client" else secret
+            got = await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job.job_id), timeout=5)
+            (listed,) = (await stub.ListJobs(scheduler_pb2.ListJobsRequest(), timeout=5)).jobs
+            assert _env(got) == _env(listed) == expected, who
+            assert _env(firsts[who].job) == _env(lasts[who].job) == expected, who
+            assert lasts[who].job.state == common_pb2.JOB_STATE_CANCELLED
+    stored = await served.store.get(job.job_id)
+    assert dict(stored.spec.task.env) == secret  # the workers still get the values
+
+
 async def test_a_job_orchestration_refuses_is_recorded_as_failed(served: Served, pki: Pki) -> None:
     served.orchestrator.refuse = ResourceExhaustedError("task queue full")
     async with client(pki.tls("client"), served.address) as stub:

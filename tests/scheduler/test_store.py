@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import subprocess
 import sys
@@ -11,9 +12,11 @@ import threading
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from hypha.errors import FailedPreconditionError, IllegalTransitionError, NotFoundError
 from hypha.jobfile import parse_job_toml
+from hypha.scheduler.config import JobsSection
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.records import REDACTED
 from hypha.scheduler.sqlite_store import MAX_LINE_CHARS, SqliteJobStore
@@ -156,6 +159,24 @@ def test_metrics_history_is_kept_per_round(store: SqliteJobStore) -> None:
         (0, "samples", 256.0),
         (1, "loss", 2.0),
     ]
+
+
+def test_metrics_keep_the_newest_rows_per_job_up_to_the_cap(tmp_path: Path) -> None:
+    # A worker reports every round: without a cap a long job grows the table without end.
+    store = SqliteJobStore(tmp_path / "db", max_metric_rows=5)
+    job_id, other = store.create(DILOCO).job_id, store.create(DILOCO).job_id
+    for round_ in range(6):
+        store.record_metrics(job_id, round_, {"loss": 10.0 - round_, "samples": 100.0 * round_}, "w1")
+    store.record_metrics(other, 0, {"loss": 1.0})
+
+    kept = [(m.round, m.name) for m in store.metrics(job_id)]
+    assert kept == [(3, "samples"), (4, "loss"), (4, "samples"), (5, "loss"), (5, "samples")]
+    assert [(m.round, m.name) for m in store.metrics(other)] == [(0, "loss")]  # per job
+    with contextlib.closing(sqlite3.connect(tmp_path / "db")) as db:  # dropped, not only hidden
+        assert db.execute("SELECT COUNT(*) FROM metrics").fetchone()[0] == 6
+    assert JobsSection().max_metric_rows == 10_000
+    with pytest.raises(ValidationError):
+        JobsSection(max_metric_rows=0)
 
 
 def test_secrets_are_redacted_in_what_leaves_the_store(store: SqliteJobStore) -> None:

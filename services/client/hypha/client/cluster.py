@@ -3,9 +3,10 @@ processes (no containers).
 
 The state dir holds everything: a PKI made on first run (and reused), one
 config per node, logs, and ``cluster.json`` (the supervisor's pid and each
-node's pid, address and log). Nodes bind port 0; the supervisor reads each
-node's ready file and passes the addresses it needs to the nodes started
-after it with ``--set`` overrides, so configs never hold stale ports.
+node's pid, address and log, each pid with its process's start time). Nodes
+bind port 0; the supervisor reads each node's ready file and passes the
+addresses it needs to the nodes started after it with ``--set`` overrides, so
+configs never hold stale ports.
 
 Start order: gateway gw0, gateway gw1 (federated with gw0, DHT bootstrapped
 through it), data node, scheduler, workers. Stop order is the reverse; each
@@ -16,6 +17,16 @@ again on the address it had, as ``restart: unless-stopped`` does in the
 compose file: the scheduler resumes its jobs, a worker re-attaches, a gateway
 is found again at its old address. One that keeps exiting (``RESTART_LIMIT``
 times within ``RESTART_WINDOW_S``) is left down and reported.
+
+``hypha down`` signals a pid from ``cluster.json`` only while it is still the
+process the file recorded (``_is_recorded``): a pid is reused once its process
+exits, so a file left behind by a supervisor that was killed could otherwise
+name anyone's process. The process's start time (``/proc/PID/stat``, clock
+ticks since boot) must equal the one recorded; a file without start times
+(written before they were recorded) is trusted only for a process that
+started before the file was written. A file whose supervisor and nodes are
+all gone is stale: ``down`` says so, removes it, signals nothing and exits 1
+(nothing was running). Linux only (``/proc``), like the rest of the cluster.
 """
 
 from __future__ import annotations
@@ -146,9 +157,32 @@ class Cluster:
     def running(self) -> dict[str, Any] | None:
         """The live cluster's state, or None (a stale state file is ignored)."""
         state = self.read_state()
-        if state and _alive(int(state.get("supervisor", 0))):
+        if state and self.supervisor_alive(state):
             return state
         return None
+
+    def written_at(self) -> float:
+        """When ``cluster.json`` was last written (0 when it is not there)."""
+        try:
+            return self.state_file.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    def supervisor_alive(self, state: dict[str, Any]) -> bool:
+        """Whether the supervisor ``state`` names is still that process (not a reused pid)."""
+        return _is_recorded(_int(state.get("supervisor")), state.get("supervisor_started"), self.written_at())
+
+    def live_nodes(self, state: dict[str, Any]) -> dict[str, int]:
+        """The nodes ``state`` names whose pids are still those processes: name → pid."""
+        written_at = self.written_at()
+        nodes = state.get("nodes")
+        live = {}
+        for name, info in (nodes if isinstance(nodes, dict) else {}).items():
+            if isinstance(info, dict) and _is_recorded(
+                _int(info.get("pid")), info.get("started"), written_at
+            ):
+                live[str(name)] = _int(info.get("pid"))
+        return live
 
 
 def _has_key(role: str, key: str) -> bool:
@@ -160,6 +194,49 @@ def _has_key(role: str, key: str) -> bool:
             section = fields[role].annotation
             return key in getattr(section, "model_fields", {})
     return False
+
+
+def _int(value: Any) -> int:
+    """An integer field of ``cluster.json`` (anything else: 0, which names no process)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def process_start(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot; None when it is gone (or no ``/proc``)."""
+    try:
+        # Field 22 of /proc/PID/stat; the name (field 2) may hold spaces and ")", so split after it.
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _boot_time() -> float:
+    """The system's boot time (epoch seconds), from ``/proc/stat``."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    raise OSError("/proc/stat has no btime")
+
+
+def _is_recorded(pid: int, recorded_start: Any, written_at: float) -> bool:
+    """Whether ``pid`` is alive and still the process ``cluster.json`` recorded.
+
+    With a recorded start time the process's must equal it; without one (a file
+    from before they were recorded) the process must have started before the
+    file was written (1 s of slack: ticks and mtimes round differently).
+    """
+    if not _alive(pid):
+        return False
+    started = process_start(pid)
+    if started is None:
+        return False  # cannot tell whose process it is: do not touch it
+    if isinstance(recorded_start, int) and not isinstance(recorded_start, bool):
+        return started == recorded_start
+    try:
+        started_at = _boot_time() + started / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return False
+    return started_at <= written_at + 1.0
 
 
 def _alive(pid: int) -> bool:
@@ -221,7 +298,7 @@ class Supervisor:
                 raise RuntimeError(f"{name} not ready within {READY_TIMEOUT_S:.0f}s; see {log_path}")
             time.sleep(0.05)
         info = json.loads(ready.read_text())
-        info.update(pid=proc.pid, log=str(log_path), config=str(config))
+        info.update(pid=proc.pid, started=process_start(proc.pid), log=str(log_path), config=str(config))
         self.info[name] = info
         return info
 
@@ -270,6 +347,7 @@ class Supervisor:
     def write_state(self) -> None:
         state = {
             "supervisor": os.getpid(),
+            "supervisor_started": process_start(os.getpid()),
             "state_dir": str(self.cluster.state_dir.resolve()),
             "pki": str(self.cluster.pki_dir.resolve()),
             "nodes": self.info,
@@ -386,20 +464,29 @@ def down(state_dir: Path, timeout_s: float = 30.0) -> int:
     if state is None:
         print(f"hypha down: no cluster state in {state_dir}", file=sys.stderr)
         return 1
-    pid = int(state.get("supervisor", 0))
-    if _alive(pid):
-        os.kill(pid, signal.SIGTERM)
+    # Only pids that are still the processes the file recorded (see the module's docstring).
+    supervisor = _int(state.get("supervisor")) if cluster.supervisor_alive(state) else 0
+    nodes = cluster.live_nodes(state)
+    if not supervisor and not nodes:
+        cluster.state_file.unlink(missing_ok=True)
+        print(
+            f"hypha down: {cluster.state_file} is stale: neither its supervisor (pid "
+            f"{_int(state.get('supervisor'))}) nor any of its nodes is running any more; "
+            "removed it, signalled nothing",
+            file=sys.stderr,
+        )
+        return 1
+    if supervisor:
+        os.kill(supervisor, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    # Whatever is left (the supervisor was killed): stop the nodes directly.
-    for info in state.get("nodes", {}).values():
-        node_pid = int(info.get("pid", 0))
-        if _alive(node_pid):
-            try:
-                os.killpg(node_pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        while _alive(supervisor) and time.monotonic() < deadline:
+            time.sleep(0.1)  # another process's exit: nothing to wait on but its pid
+    # Whatever is left (the supervisor was killed, or did not finish): stop the nodes directly.
+    for pid in cluster.live_nodes(state).values():
+        try:
+            os.killpg(pid, signal.SIGTERM)  # each node leads its own session (start_new_session)
+        except ProcessLookupError:
+            pass
     cluster.state_file.unlink(missing_ok=True)
     print("cluster stopped")
     return 0

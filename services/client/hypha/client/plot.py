@@ -11,8 +11,11 @@ figure registry, so it works without a display and in any thread.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from hypha.fsutil import write_atomic
 
 #: Figure size in inches at ``DPI``: an 960x720-pixel PNG.
 SIZE_IN = (9.6, 7.2)
@@ -75,5 +78,9 @@ def training_plot(
         bottom.legend(loc="lower right")
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
+    # Rendered in memory and written atomically: an interrupted run never leaves half a PNG
+    # over the previous figure.
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    write_atomic(path, png.getvalue(), mode=0o644)
     return path

@@ -120,10 +120,10 @@ def build(settings: SchedulerSettings, tls: TlsMaterial) -> SchedulerNode:
     temp_dir: Path | None = None
     if settings.state_dir is not None:
         state_dir = Path(settings.state_dir)
-        store = JobStore(state_dir / DB_NAME)
+        store = JobStore(state_dir / DB_NAME, max_metric_rows=cfg.jobs.max_metric_rows)
     else:
         temp_dir = state_dir = Path(tempfile.mkdtemp(prefix="hypha-scheduler-"))
-        store = JobStore(":memory:")
+        store = JobStore(":memory:", max_metric_rows=cfg.jobs.max_metric_rows)
         log.warning(
             "no state_dir: jobs and results are kept in memory only and lost when this scheduler stops"
         )

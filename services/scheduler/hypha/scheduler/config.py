@@ -107,6 +107,12 @@ class JobsSection(BaseModel):
         gt=0,
         description="Most bytes one job's result may hold; a pull bringing more fails the job.",
     )
+    max_metric_rows: int = Field(
+        10_000,
+        ge=1,
+        description="Per-round metric rows (loss, throughput, bytes per worker) the store keeps per job; "
+        "past it the oldest are dropped, so a long job cannot grow the database without end.",
+    )
     progress_store_interval_s: float = Field(
         1.0,
         ge=0,

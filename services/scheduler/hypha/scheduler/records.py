@@ -4,8 +4,12 @@
 submitted it); ``JobEventRecord`` one entry of its history; ``LogRecord`` /
 ``LogEntry`` log lines read / to append; ``MetricRecord`` one reported figure
 of one round; ``WorkerMetric`` a trainer's latest throughput and loss.
-Secrets in a spec (Hugging Face tokens) are kept for the workers but
-redacted in every proto that leaves the scheduler (``JobRecord.to_proto``).
+Secrets in a spec are kept for the workers but redacted in every proto that
+leaves the scheduler, in one place (``JobRecord.to_proto``, the only way a
+job leaves): Hugging Face tokens always, a task's ``env`` values unless the
+viewer is the job's submitter or an admin (other clients see the keys, with
+``***`` for each value: every client may list every job, and an environment
+is where a task's author puts an API key).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hypha.pki.identity import PeerIdentity, Role
 from hypha.scheduler.lifecycle import JobState
 from hypha.timestamps import to_timestamp
 from hypha.v1 import common_pb2, scheduler_pb2
@@ -22,15 +27,27 @@ from hypha.v1 import common_pb2, scheduler_pb2
 REDACTED = "***"
 
 
-def redacted(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
-    """A copy without secrets (Hugging Face tokens), for anything that leaves the scheduler."""
+def redacted(spec: common_pb2.JobSpec, *, env: bool = True) -> common_pb2.JobSpec:
+    """A copy without secrets, for anything that leaves the scheduler.
+
+    Hugging Face tokens (of a DiLoCo or inference job's model and
+    preprocessor) always become ``***``; a task's ``env`` values too when
+    ``env`` (its keys stay, so a viewer still sees what the task sets).
+    """
     out = common_pb2.JobSpec()
     out.CopyFrom(spec)
-    if out.HasField("diloco"):
-        if out.diloco.model.token:
-            out.diloco.model.token = REDACTED
-        if out.diloco.preprocessor.token:
-            out.diloco.preprocessor.token = REDACTED
+    kind = out.WhichOneof("kind")
+    sources: list[common_pb2.ModelSpec | common_pb2.PreprocessorSpec] = []
+    if kind == "diloco":
+        sources += [out.diloco.model, out.diloco.preprocessor]
+    elif kind == "inference":
+        sources.append(out.inference.model)
+    for source in sources:
+        if source.token:
+            source.token = REDACTED
+    if env and kind == "task":
+        for key in out.task.env:
+            out.task.env[key] = REDACTED
     return out
 
 
@@ -112,10 +129,17 @@ class JobRecord:
     def max_attempts(self) -> int:
         return self.spec.task.retry.max_attempts if self.kind == "task" else 1
 
-    def to_proto(self, *, redact: bool = True) -> scheduler_pb2.Job:
+    def shows_env_to(self, viewer: PeerIdentity | None) -> bool:
+        """Whether ``viewer`` may read this job's ``env`` values: its submitter or an admin."""
+        if viewer is None:
+            return False
+        return viewer.role is Role.ADMIN or (bool(self.submitted_by) and viewer.peer_id == self.submitted_by)
+
+    def to_proto(self, viewer: PeerIdentity | None = None) -> scheduler_pb2.Job:
+        """The job as ``viewer`` may see it (None: anyone; every secret redacted)."""
         return scheduler_pb2.Job(
             job_id=self.job_id,
-            spec=redacted(self.spec) if redact else self.spec,
+            spec=redacted(self.spec, env=not self.shows_env_to(viewer)),
             state=self.state.to_proto(),
             reason=self.reason,
             created_at=to_timestamp(self.created_at),

@@ -19,11 +19,17 @@ Routes (JSON unless noted), the task routes first:
 Authentication (``NOTE``): the REST server requires mutual TLS exactly like
 the gRPC server: a client certificate chaining to the network's trust
 bundle, not revoked (same CRL checker), with the role read from its OU.
-``/api/*`` accepts the client and admin roles, like the gRPC client API;
-``/metrics`` accepts any role of the network (give Prometheus an admin or
-client certificate). One identity model for both transports means one way
-to issue, revoke and audit access; bearer tokens would be a second one.
-Anonymous TLS connections fail in the handshake, before any handler runs.
+Who may call a route is part of the route: ``RestServer.routes`` is one
+table of (method, path, handler, roles), and the guard reads the roles of
+the route the request *matched*, never a path prefix, so a route cannot get
+its roles from how its path happens to start (and a route missing from the
+table is not served). The API routes accept the client and admin roles, like
+the gRPC client API; ``/metrics`` accepts any role of the network (give
+Prometheus an admin or client certificate). A path no route matches is 404
+(a method a route lacks 405) before any role is looked at. One identity
+model for both transports means one way to issue, revoke and audit access;
+bearer tokens would be a second one. Anonymous TLS connections fail in the
+handshake, before any handler runs.
 
 Every route calls the same ``SchedulerServicer`` methods the gRPC service does,
 so both transports agree by construction; errors map from the one error tree
@@ -38,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -55,7 +62,7 @@ from hypha.jobfile import normalize_spec, parse_job_document, parse_job_table, p
 from hypha.net.https import request_identity, serve_app, server_ssl_context
 from hypha.net.metrics_server import exposition
 from hypha.net.tls import TlsMaterial
-from hypha.pki.identity import PeerIdentity
+from hypha.pki.identity import PeerIdentity, Role
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.metrics import SchedulerMetrics
 from hypha.scheduler.openapi import API, openapi_document
@@ -85,9 +92,9 @@ _IDENTITY = web.RequestKey("identity", PeerIdentity)
 # ---- JSON views ------------------------------------------------------------------------------
 
 
-def job_json(job: JobRecord) -> dict[str, Any]:
-    """The one job JSON view (``hypha.jobview``), secrets redacted."""
-    return jobview.job_json(job.to_proto(redact=True))
+def job_json(job: JobRecord, viewer: PeerIdentity) -> dict[str, Any]:
+    """The one job JSON view (``hypha.jobview``), secrets redacted as ``viewer`` must see them."""
+    return jobview.job_json(job.to_proto(viewer))
 
 
 def _error(err: HyphaError) -> web.Response:
@@ -101,6 +108,18 @@ def _error(err: HyphaError) -> web.Response:
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: Every role of the network (``/metrics``).
+ANY_ROLE = frozenset(Role)
+
+
+@dataclass(frozen=True)
+class Route:
+    """One route and the roles that may call it."""
+
+    method: str
+    path: str
+    handler: Handler
+    roles: frozenset[Role]
 
 
 class RestServer:
@@ -123,6 +142,8 @@ class RestServer:
         self.port = 0
         self._runner: web.AppRunner | None = None
         self._stopped = False
+        #: (method, route path) → roles that may call it; filled by ``app`` from ``routes``.
+        self._roles: dict[tuple[str, str], frozenset[Role]] = {}
 
     @property
     def address(self) -> str:
@@ -135,23 +156,36 @@ class RestServer:
     def url(self) -> str:
         return f"https://{self.address}"
 
+    def routes(self) -> tuple[Route, ...]:
+        """Every route this server serves, with who may call it: the one table."""
+        ops = OPERATORS
+        return (
+            Route("POST", f"{API}/jobs", self.submit_job, ops),
+            Route("GET", f"{API}/jobs", self.list_jobs, ops),
+            Route("DELETE", f"{API}/jobs", self.cancel_all, ops),
+            Route("GET", f"{API}/jobs/{{job_id}}", self.get_job, ops),
+            Route("DELETE", f"{API}/jobs/{{job_id}}", self.cancel_job, ops),
+            Route("GET", f"{API}/jobs/{{job_id}}/logs", self.get_logs, ops),
+            Route("POST", f"{API}/jobs/{{job_id}}/scale", self.scale_job, ops),
+            Route("POST", f"{API}/tasks", self.submit_task, ops),
+            Route("GET", f"{API}/tasks", self.list_tasks, ops),
+            Route("GET", f"{API}/tasks/{{job_id}}", self.get_task, ops),
+            Route("DELETE", f"{API}/tasks/{{job_id}}", self.cancel_task, ops),
+            Route("GET", f"{API}/workers", self.list_workers, ops),
+            Route("GET", f"{API}/openapi.json", self.openapi, ops),
+            Route("GET", "/metrics", self.prometheus, ANY_ROLE),
+        )
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._guard])
-        r = app.router
-        r.add_post(f"{API}/jobs", self.submit_job)
-        r.add_get(f"{API}/jobs", self.list_jobs)
-        r.add_delete(f"{API}/jobs", self.cancel_all)
-        r.add_get(f"{API}/jobs/{{job_id}}", self.get_job)
-        r.add_delete(f"{API}/jobs/{{job_id}}", self.cancel_job)
-        r.add_get(f"{API}/jobs/{{job_id}}/logs", self.get_logs)
-        r.add_post(f"{API}/jobs/{{job_id}}/scale", self.scale_job)
-        r.add_post(f"{API}/tasks", self.submit_task)
-        r.add_get(f"{API}/tasks", self.list_tasks)
-        r.add_get(f"{API}/tasks/{{job_id}}", self.get_task)
-        r.add_delete(f"{API}/tasks/{{job_id}}", self.cancel_task)
-        r.add_get(f"{API}/workers", self.list_workers)
-        r.add_get(f"{API}/openapi.json", self.openapi)
-        r.add_get("/metrics", self.prometheus)
+        self._roles.clear()
+        for route in self.routes():
+            if route.method == "GET":  # GET routes answer HEAD too (aiohttp adds the HEAD route)
+                app.router.add_get(route.path, route.handler)
+                self._roles[("HEAD", route.path)] = route.roles
+            else:
+                app.router.add_route(route.method, route.path, route.handler)
+            self._roles[(route.method, route.path)] = route.roles
         return app
 
     async def start(self) -> int:
@@ -185,8 +219,14 @@ class RestServer:
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             peer = self.identity_of(request)
-            if request.path.startswith("/api/") and peer.role not in OPERATORS:
-                raise PermissionDeniedError(f"role {peer.role.value} may not use the client API")
+            match = request.match_info
+            if match.http_exception is not None:  # no route: 404 (405), before any role logic
+                raise match.http_exception
+            resource = match.route.resource
+            key = (match.route.method, resource.canonical if resource is not None else "")
+            roles = self._roles.get(key, frozenset())  # not in the table: nobody may call it
+            if peer.role not in roles:
+                raise PermissionDeniedError(f"role {peer.role.value} may not call {key[0]} {key[1]}")
             request[_IDENTITY] = peer
             return await handler(request)
         except HyphaError as err:
@@ -232,13 +272,13 @@ class RestServer:
             else:
                 raise InvalidArgumentError("body: give toml, job or spec")
         job = await self.api.submit_spec(request[_IDENTITY], spec)
-        return web.json_response(job_json(job), status=201)
+        return web.json_response(job_json(job, request[_IDENTITY]), status=201)
 
     async def submit_task(self, request: web.Request) -> web.Response:
         body = await self._json_body(request)
         spec = parse_job_table(body, "task", kind="task")
         job = await self.api.submit_spec(request[_IDENTITY], spec)
-        return web.json_response(job_json(job), status=201)
+        return web.json_response(job_json(job, request[_IDENTITY]), status=201)
 
     async def _list(self, request: web.Request, kind: str) -> web.Response:
         states = [JobState.parse(s) for s in request.query.getall("state", [])]
@@ -247,7 +287,7 @@ class RestServer:
             if kind not in ("diloco", "task", "inference"):
                 raise InvalidArgumentError(f"kind: {kind!r} is not a job kind (diloco, task, inference)")
         jobs = await self.api.list_jobs(request[_IDENTITY], states, kind)
-        return web.json_response({"jobs": [job_json(job) for job in jobs]})
+        return web.json_response({"jobs": [job_json(job, request[_IDENTITY]) for job in jobs]})
 
     async def list_jobs(self, request: web.Request) -> web.Response:
         return await self._list(request, "")
@@ -262,10 +302,10 @@ class RestServer:
         return job
 
     async def get_job(self, request: web.Request) -> web.Response:
-        return web.json_response(job_json(await self._get(request, "")))
+        return web.json_response(job_json(await self._get(request, ""), request[_IDENTITY]))
 
     async def get_task(self, request: web.Request) -> web.Response:
-        return web.json_response(job_json(await self._get(request, "task")))
+        return web.json_response(job_json(await self._get(request, "task"), request[_IDENTITY]))
 
     async def cancel_job(self, request: web.Request) -> web.Response:
         cancelled = await self.api.cancel(request[_IDENTITY], request.match_info["job_id"])
@@ -277,7 +317,7 @@ class RestServer:
         if isinstance(workers, bool) or not isinstance(workers, int):
             raise InvalidArgumentError('body: must be {"workers": N} with an integer N')
         job = await self.api.scale(request[_IDENTITY], request.match_info["job_id"], workers)
-        return web.json_response(job_json(job))
+        return web.json_response(job_json(job, request[_IDENTITY]))
 
     async def cancel_task(self, request: web.Request) -> web.Response:
         job = await self._get(request, "task")

@@ -4,7 +4,8 @@ The worker streams the result directory (``config.json`` + safetensors) with
 ``PullTensors`` (kind ``result``); each file is written and verified by the
 one file-stream writer (``hypha.filestream``) into ``<job>.partial``, which
 replaces ``<state_dir>/results/<job_id>/`` only once every file arrived
-intact. ``FetchResult`` serves it from there.
+intact (``hypha.fsutil.replace_dir``: a failed swap leaves the previous
+result as it was). ``FetchResult`` serves it from there.
 
 A worker decides what it sends, so the pull is bounded: ``StreamLimits``
 (``jobs.result_max_files`` / ``jobs.result_max_bytes``) cap what one result
@@ -25,6 +26,7 @@ import grpc
 
 from hypha.errors import DataLossError, HyphaError
 from hypha.filestream import FileStreamLimitError, StreamLimits, receive_files
+from hypha.fsutil import replace_dir
 from hypha.scheduler.config import JobsSection
 from hypha.scheduler.worker_calls import WorkerCalls, describe, is_refusal
 from hypha.v1 import common_pb2, worker_pb2
@@ -85,7 +87,7 @@ async def pull_result(
             log.info("job %s: result pull from %s failed (%s); retrying", job_id, worker_id, describe(err))
             await asyncio.sleep(delay)
             delay = min(delay * 2, MAX_RETRY_S)
-    await asyncio.to_thread(_replace_dir, partial, target)
+    await asyncio.to_thread(replace_dir, partial, target)
     return sum(file.bytes for file in files)
 
 
@@ -102,12 +104,6 @@ def _fresh_dir(path: Path) -> None:
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
-
-
-def _replace_dir(source: Path, target: Path) -> None:
-    if target.exists():
-        shutil.rmtree(target)
-    source.rename(target)
 
 
 __all__ = ["DEFAULT_LIMITS", "RESULTS_DIR", "ResultPullError", "pull_result", "result_dir", "result_limits"]

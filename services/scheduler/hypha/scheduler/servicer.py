@@ -18,7 +18,9 @@ the TLS session. Who may do what (``NOTE``):
 - Only CLIENT and ADMIN certificates reach the API (the server guard's
   policy; checked again here for the REST path).
 - Every client sees every job of this scheduler (it serves one organisation's
-  users; the submitter is recorded and shown).
+  users; the submitter is recorded and shown), but a task's ``env`` values
+  only if it submitted the job or is an admin: every job view is built by
+  ``JobRecord.to_proto(viewer)``, which redacts them for anyone else.
 - Cancelling and scaling (``ScaleJob``) are for the job's submitter or an admin. ``cancel --all``
   cancels the caller's own active jobs, or every active job for an admin.
 
@@ -100,10 +102,19 @@ def require_operator(caller: PeerIdentity) -> None:
 
 
 def job_event(
-    job: JobRecord, *, at: float, message: str, workers: Sequence[WorkerMetric] = ()
+    job: JobRecord,
+    viewer: PeerIdentity | None,
+    *,
+    at: float,
+    message: str,
+    workers: Sequence[WorkerMetric] = (),
 ) -> scheduler_pb2.JobEvent:
+    """One ``WatchJob`` event, the job as ``viewer`` may see it."""
     return scheduler_pb2.JobEvent(
-        job=job.to_proto(), at=to_timestamp(at), message=message, workers=[w.to_proto() for w in workers]
+        job=job.to_proto(viewer),
+        at=to_timestamp(at),
+        message=message,
+        workers=[w.to_proto() for w in workers],
     )
 
 
@@ -259,7 +270,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         job = await self.store.get(job_id)
         last_seq = await self.store.last_event_seq(job_id)
         yield job_event(
-            job, at=job.updated_at, message=job.reason, workers=await self.store.worker_metrics(job_id)
+            job,
+            caller,
+            at=job.updated_at,
+            message=job.reason,
+            workers=await self.store.worker_metrics(job_id),
         )
         if job.state.terminal:
             return
@@ -272,13 +287,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             job = await self.store.get(job_id)
             for event in events:
                 last_seq = event.seq
-                yield self._event(job, event)
+                yield self._event(job, event, caller)
                 if event.kind == "state" and event.state.terminal:
                     return
             token = feed.token(key)
 
     @staticmethod
-    def _event(job: JobRecord, event: JobEventRecord) -> scheduler_pb2.JobEvent:
+    def _event(job: JobRecord, event: JobEventRecord, viewer: PeerIdentity) -> scheduler_pb2.JobEvent:
         at_event = dataclasses.replace(
             job,
             state=event.state,
@@ -286,7 +301,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             loss=event.loss,
             reason=event.message if event.kind == "state" else job.reason,
         )
-        return job_event(at_event, at=event.at, message=event.message, workers=event.workers)
+        return job_event(at_event, viewer, at=event.at, message=event.message, workers=event.workers)
 
     async def logs(
         self, caller: PeerIdentity, job_id: str, follow: bool = False
@@ -342,12 +357,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def SubmitJob(
         self, request: scheduler_pb2.SubmitJobRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.Job:
-        return (await self.submit(peer_identity(context), request)).to_proto()
+        caller = peer_identity(context)
+        return (await self.submit(caller, request)).to_proto(caller)
 
     async def GetJob(
         self, request: scheduler_pb2.GetJobRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.Job:
-        return (await self.get(peer_identity(context), request.job_id)).to_proto()
+        caller = peer_identity(context)
+        return (await self.get(caller, request.job_id)).to_proto(caller)
 
     async def GetJobMetrics(
         self, request: scheduler_pb2.GetJobMetricsRequest, context: grpc.aio.ServicerContext
@@ -358,8 +375,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.ListJobsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ListJobsResponse:
         states = [JobState.from_proto(s) for s in request.states]
-        jobs = await self.list_jobs(peer_identity(context), states)
-        return scheduler_pb2.ListJobsResponse(jobs=[job.to_proto() for job in jobs])
+        caller = peer_identity(context)
+        jobs = await self.list_jobs(caller, states)
+        return scheduler_pb2.ListJobsResponse(jobs=[job.to_proto(caller) for job in jobs])
 
     async def CancelJob(
         self, request: scheduler_pb2.CancelJobRequest, context: grpc.aio.ServicerContext
@@ -370,7 +388,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def ScaleJob(
         self, request: scheduler_pb2.ScaleJobRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.Job:
-        return (await self.scale(peer_identity(context), request.job_id, int(request.workers))).to_proto()
+        caller = peer_identity(context)
+        return (await self.scale(caller, request.job_id, int(request.workers))).to_proto(caller)
 
     async def WatchJob(
         self, request: scheduler_pb2.WatchJobRequest, context: grpc.aio.ServicerContext

@@ -20,7 +20,10 @@ Decisions (``NOTE``):
   lines are dropped, each line cut at ``MAX_LINE_CHARS``); events keep the
   last ``max_events`` per job, and progress events within one round are
   coalesced (only the latest survives), while per-round metrics stay in
-  ``metrics``.
+  ``metrics``, the last ``max_metric_rows`` rows per job
+  (``scheduler.jobs.max_metric_rows``; a worker reports every round, so a
+  long job would otherwise grow the table without end). The oldest go
+  first, as for logs: a curve keeps its recent end.
 - **Durability**: WAL with ``synchronous=NORMAL``: a crash of the scheduler
   process loses nothing committed; a power cut may lose the last
   transactions (acceptable for job bookkeeping, and much faster).
@@ -127,6 +130,7 @@ CREATE TABLE IF NOT EXISTS metrics (
     at        REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS metrics_by_job ON metrics (job_id, round);
+CREATE INDEX IF NOT EXISTS metrics_by_job_row ON metrics (job_id);
 CREATE TABLE IF NOT EXISTS worker_metrics (
     job_id             TEXT NOT NULL,
     worker_id          TEXT NOT NULL,
@@ -166,13 +170,15 @@ class SqliteJobStore:
         clock: Callable[[], float] = time.time,
         max_log_lines: int = 10_000,
         max_events: int = 10_000,
+        max_metric_rows: int = 10_000,
     ) -> None:
-        if max_log_lines < 1 or max_events < 1:
-            raise InvalidArgumentError("max_log_lines and max_events must be at least 1")
+        if max_log_lines < 1 or max_events < 1 or max_metric_rows < 1:
+            raise InvalidArgumentError("max_log_lines, max_events and max_metric_rows must be at least 1")
         self.path = Path(path)
         self.clock = clock
         self.max_log_lines = max_log_lines
         self.max_events = max_events
+        self.max_metric_rows = max_metric_rows
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE in _tx).
@@ -462,12 +468,20 @@ class SqliteJobStore:
     def record_metrics(
         self, job_id: str, round_: int, values: Mapping[str, float], worker_id: str = ""
     ) -> None:
+        """Append one round's figures and drop the job's oldest rows beyond ``max_metric_rows``."""
         now = self.clock()
         with self._tx() as db:
             db.executemany(
                 "INSERT INTO metrics (job_id, round, worker_id, name, value, at) VALUES (?, ?, ?, ?, ?, ?)",
                 [(job_id, round_, worker_id, name, float(value), now) for name, value in values.items()],
             )
+            # metrics_by_job_row (job_id, then rowid): the cut-off is one index walk, no sort.
+            cutoff = db.execute(
+                "SELECT rowid FROM metrics WHERE job_id = ? ORDER BY rowid DESC LIMIT 1 OFFSET ?",
+                (job_id, self.max_metric_rows),
+            ).fetchone()
+            if cutoff is not None:
+                db.execute("DELETE FROM metrics WHERE job_id = ? AND rowid <= ?", (job_id, cutoff[0]))
 
     def metrics(self, job_id: str) -> list[MetricRecord]:
         rows = self._db.execute(
