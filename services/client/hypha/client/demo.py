@@ -52,6 +52,8 @@ BATCH = 64
 #: Inner AdamW steps each trainer takes between two syncs.
 INNER_STEPS = 50
 ROUNDS = 60
+#: How long the demo waits for a just-prepared dataset to be announced (data.announce_poll_s is 10 s).
+ANNOUNCE_WAIT_S = 60.0
 SAMPLES_PER_ROUND = TRAINERS * INNER_STEPS * BATCH
 #: One slice is one trainer's round, so slices and rounds line up.
 SAMPLES_PER_SLICE = INNER_STEPS * BATCH
@@ -250,9 +252,7 @@ async def run_job(
     async with secure_channel(tls, address, server_name=server_name) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         t0 = time.monotonic()
-        job = await stub.SubmitJob(
-            scheduler_pb2.SubmitJobRequest(toml=job_toml(model_dir, rounds, inner_steps)), timeout=10
-        )
+        job = await submit_when_announced(stub, job_toml(model_dir, rounds, inner_steps), view)
         run.job_id = job.job_id
         run.names = view.names = node_names(cluster) if cluster is not None else await worker_names(stub)
         view.submitted(job.job_id, rounds)
@@ -281,6 +281,31 @@ async def run_job(
         await receive_files(((piece.path, piece.chunk) async for piece in stream), result_dir)
         run.metrics = await _final_metrics(stub, run.job_id, rounds)
     return run
+
+
+async def submit_when_announced(
+    stub: scheduler_pb2_grpc.SchedulerStub, toml: str, view: demo_eval.LiveView
+) -> scheduler_pb2.Job:
+    """Submit, waiting up to ``ANNOUNCE_WAIT_S`` for the dataset to be announced.
+
+    On a cluster that was already running (``hypha up`` in another terminal) the
+    dataset was just prepared, and its data node announces it only at its next
+    look at the data dir (``data.announce_poll_s``): the scheduler refuses the job
+    until then.
+    """
+    deadline = time.monotonic() + ANNOUNCE_WAIT_S
+    told = False
+    while True:
+        try:
+            return await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(toml=toml), timeout=30)
+        except grpc.aio.AioRpcError as err:
+            unannounced = err.code() is grpc.StatusCode.NOT_FOUND and "announces" in (err.details() or "")
+            if not unannounced or time.monotonic() >= deadline:
+                raise
+            if not told:
+                view.note("waiting for the data node to announce the dataset ...")
+                told = True
+            await asyncio.sleep(1.0)  # polling the scheduler with a deadline
 
 
 async def worker_names(stub: scheduler_pb2_grpc.SchedulerStub) -> dict[str, str]:

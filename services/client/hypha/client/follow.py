@@ -37,7 +37,8 @@ async def follow_job(
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[scheduler_pb2.JobEvent]:
     """The job's events until it reaches a final state, re-opening the stream when the scheduler is
-    unreachable; ``on_lost`` hears why each time. Any other error (unknown job, not allowed) is raised."""
+    unreachable; ``on_lost`` hears why, once per outage. Any other error (unknown job, not allowed)
+    is raised."""
     pause = Backoff(0.2, 5.0)
     lost_since: float | None = None
     while True:
@@ -53,11 +54,12 @@ async def follow_job(
             if err.code() is not grpc.StatusCode.UNAVAILABLE:
                 raise
             now = clock()
-            lost_since = now if lost_since is None else lost_since
+            if lost_since is None:  # said once per outage, not at every try
+                lost_since = now
+                if on_lost is not None:
+                    on_lost(f"scheduler unreachable ({err.details() or err.code().name}); reconnecting")
             if now - lost_since >= patience_s:
                 raise
-            if on_lost is not None:
-                on_lost(f"scheduler unreachable ({err.details() or err.code().name}); reconnecting")
             await asyncio.sleep(min(pause.next_delay(), lost_since + patience_s - now))
 
 
