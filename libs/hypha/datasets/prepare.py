@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import math
 import os
-import secrets
 import shutil
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from hypha.datasets.format import (
     validate_dataset_name,
 )
 from hypha.errors import AlreadyExistsError, HyphaError, InvalidArgumentError, NotFoundError
-from hypha.fsutil import fsync_dir, write_synced
+from hypha.fsutil import fsync_dir, replace_dir, write_synced
 
 if TYPE_CHECKING:
     import torch
@@ -158,22 +157,11 @@ def _refuse_existing(target: Path, overwrite: bool) -> None:
 
 
 def _install(tmp: Path, target: Path, overwrite: bool) -> None:
-    """Rename the finished temp dir into place. With ``overwrite`` the old
-    dataset is first moved aside (and put back if the swap fails), so the
-    target is never a mixture of both."""
-    if not target.exists():
-        os.rename(tmp, target)
-    else:
+    """Rename the finished temp dir into place; with ``overwrite`` the old dataset is replaced
+    whole (``replace_dir``), so the target is never a mixture of both."""
+    if target.exists():
         _refuse_existing(target, overwrite)  # another prepare may have raced us
-        old = target.parent / f".{target.name}.old-{secrets.token_hex(4)}"
-        os.rename(target, old)
-        try:
-            os.rename(tmp, target)
-        except BaseException:
-            os.rename(old, target)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    fsync_dir(target.parent)
+    replace_dir(tmp, target)
 
 
 def _check_positive(what: str, value: int) -> None:
