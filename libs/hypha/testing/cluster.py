@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 
 from hypha.client.cluster import Cluster, Supervisor
+from hypha.client.follow import TERMINAL
 from hypha.net.channel import secure_channel
 from hypha.net.tls import PathsTls, TlsMaterial
 from hypha.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -50,10 +51,6 @@ FAST_MARKET: dict[str, list[str]] = {
         "worker.prune_interval_s=0.1",
     ],
 }
-
-TERMINAL = frozenset(
-    {common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED}
-)
 
 
 def children_of(pid: int) -> list[int]:
