@@ -78,6 +78,19 @@ def test_an_absent_token_is_not_reported_as_a_redacted_one() -> None:
     assert redacted(TASK) == TASK
 
 
+def test_every_env_value_of_a_task_is_redacted_however_many_there_are() -> None:
+    # Writing into a protobuf map while iterating it once skipped a key, and its value
+    # (an API key) reached another client; many keys make such a skip show.
+    env = {f"KEY_{i}": f"secret-{i}" for i in range(64)}
+    spec = common_pb2.JobSpec(name="job", task=common_pb2.TaskJobSpec(command="true", env=env))
+
+    out = redacted(spec)
+
+    assert dict(out.task.env) == dict.fromkeys(env, REDACTED)
+    assert dict(spec.task.env) == env
+    assert redacted(spec, env=False) == spec
+
+
 # ---- JobRecord -> Job -------------------------------------------------------------------------------
 
 

@@ -46,7 +46,9 @@ def redacted(spec: common_pb2.JobSpec, *, env: bool = True) -> common_pb2.JobSpe
         if source.token:
             source.token = REDACTED
     if env and kind == "task":
-        for key in out.task.env:
+        # Over a copy of the keys: writing into a protobuf map while iterating it may
+        # skip entries (upb rehashes), which once let one value through unredacted.
+        for key in list(out.task.env):
             out.task.env[key] = REDACTED
     return out
 
