@@ -245,18 +245,19 @@ async def test_progress_reaches_the_scheduler_and_its_directive_comes_back(
     bridge = await make_side(network).bridge("t0")
 
     directives = [
-        await bridge.progress(0, 1, 8, 2.5, 0.1, 8),
+        await bridge.progress(0, 1, 8, 2.5, 0.1, 8, next_batch_started=True),
         await bridge.progress(0, 2, 16, 2.0, 0.1, 8),
         await bridge.progress(1, 0, 0, 0.0, 0.0, 8),
     ]
 
     assert [(d.kind, d.batches, d.round) for d in directives] == [
-        ("continue", 0, 0),
+        ("sync_after", 1, 0),
         ("sync_now", 0, 0),
         ("done", 0, 1),
     ]
     assert [p[:4] for p in network.progress] == [("t0", 0, 1, 8), ("t0", 0, 2, 16), ("t0", 1, 0, 0)]
     assert network.progress[0][4] == pytest.approx(2.5)
+    assert [p[5] for p in network.progress] == [True, False, False]
 
 
 @pytest.mark.timeout(60)

@@ -17,7 +17,7 @@ from hypha.errors import UnavailableError
 from hypha.models import ModelKind
 from hypha.tensors.payload import decode_state, encode_state
 from hypha.v1 import common_pb2
-from hypha.worker.executors import training
+from hypha.worker.executors import diloco_trainer, training
 from hypha.worker.executors.diloco_trainer import DilocoTrainer, TrainerOptions
 from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
 from tests.executors import FakeBridge, FakeNetwork, diloco_spec, sync_after_first, sync_every, write_slices
@@ -322,6 +322,59 @@ async def test_the_trainer_process_trains_through_the_real_job_bridge(
     assert ps.core is not None
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), ps.core.outer.parameters()[name])
+
+
+class _LateAnswerBridge(FakeBridge):
+    """Answers a report sent as the next batch started only after the trainer ran two more batches."""
+
+    def __init__(self, network: FakeNetwork, peer: str) -> None:
+        super().__init__(network, peer)
+        self.steps = 0
+        self._held: list[tuple[int, asyncio.Future[None]]] = []
+
+    def stepped(self) -> None:
+        """Called on the loop after each train step (which runs in a thread)."""
+        self.steps += 1
+        for due, held in self._held:
+            if self.steps >= due and not held.done():
+                held.set_result(None)
+
+    async def progress(self, round: int, batches: int, *args: Any, **kwargs: Any) -> Any:
+        answer = await super().progress(round, batches, *args, **kwargs)
+        if kwargs.get("next_batch_started"):
+            held = asyncio.get_running_loop().create_future()
+            self._held.append((batches + 2, held))
+            await asyncio.wait_for(held, 30)
+        return answer
+
+
+async def test_progress_travels_while_the_next_batch_trains_and_the_sync_lands_where_it_was_told(
+    tmp_path: Path, gpt2_dir: Path, slices: dict[str, list[Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: every answer to an early report comes two batches late.
+    network = _network(tmp_path, gpt2_dir, slices, ("t0",), rounds=1)
+    network.policy = sync_every({"t0": 5})
+    bridge = _LateAnswerBridge(network, "t0")
+    loop, real_step = asyncio.get_running_loop(), diloco_trainer.train_step
+
+    def counted(*args: Any) -> float:
+        loss = real_step(*args)
+        loop.call_soon_threadsafe(bridge.stepped)
+        return loss
+
+    monkeypatch.setattr(diloco_trainer, "train_step", counted)
+    trainer = DilocoTrainer(bridge, options=TrainerOptions(fetch_timeout_s=10.0, update_patience_s=60.0))
+
+    # Execute
+    assert await _run(_server(network).run(), trainer.run()) == [0, 0]
+
+    # Assert: reports after batches 1 and 3 went out as the next batch started (the one after
+    # batch 2 was skipped: 1's answer was still out); batch 5's was awaited before the sync,
+    # which came after exactly the 5 batches that "sync_after 4" (the answer to 1) asked for.
+    assert [(p[2], p[5]) for p in network.progress] == [(1, True), (3, True), (5, False)]
+    assert [m[2]["batches"] for m in network.metrics if m[0] == "t0"] == [5]
+    (delta,) = network.deltas(0)
+    assert delta.samples == 5 * network.batch_size
 
 
 class _FlakyBridge(FakeBridge):

@@ -59,20 +59,60 @@ def test_a_third_speed_worker_gets_a_third_of_the_samples_and_idle_time_stays_sm
     speeds=st.lists(st.floats(0.2, 4.0), min_size=1, max_size=6),
     sizes=st.lists(st.integers(1, 32), min_size=6, max_size=6),
     budget=st.integers(1, 4000),
+    pipelined=st.booleans(),
 )
 def test_once_rates_are_known_nobody_idles_longer_than_one_of_its_own_batches(
-    speeds: list[float], sizes: list[int], budget: int
+    speeds: list[float], sizes: list[int], budget: int, pipelined: bool
 ) -> None:
+    # Workers that wait for each answer, and workers that run the next batch meanwhile.
     workers = [SimWorker(f"w{i}", sizes[i], 0.05 / s) for i, s in enumerate(speeds)]
-    result = simulate(RoundPlanner(budget, 3), workers, 3)
+    result = simulate(RoundPlanner(budget, 3), workers, 3, pipelined=pipelined)
     slowest = max(w.batch_seconds for w in workers)
     for index, idle in enumerate(result.idle):
         for w in workers:
-            # The first round may sync before a slow worker has ever reported (a tiny budget).
-            bound = w.batch_seconds if index > 0 else slowest
+            # The first round may sync before a slow worker has ever reported (a tiny budget);
+            # a pipelined one has started its second batch by then, and runs it.
+            bound = w.batch_seconds if index > 0 else slowest * (2 if pipelined else 1)
             assert idle[w.worker_id] <= bound + 1e-9, (index, w)
     for per_round in result.samples:
         assert sum(per_round.values()) >= budget
+
+
+def test_pipelined_workers_keep_the_sync_points_of_workers_that_wait() -> None:
+    # Prepare: trainers that report as their next batch starts (the built-in trainer).
+    workers = heterogeneous_workers([1.0, 1.0, 1.0, 1 / 3], batch_size=8, base_batch_seconds=0.1, jitter=0.1)
+
+    # Execute
+    waiting = simulate(RoundPlanner(2048, 8), workers, 8, seed=7)
+    pipelined = simulate(RoundPlanner(2048, 8), workers, 8, seed=7, pipelined=True)
+
+    # Assert: as little idling, and rounds no longer than a batch of the slowest worker more.
+    assert pipelined.idle_fraction < 0.05
+    slowest = max(w.batch_seconds for w in workers)
+    for ours, theirs in zip(pipelined.round_seconds, waiting.round_seconds, strict=True):
+        assert ours <= theirs + 1.5 * slowest
+    for per_round in pipelined.samples:
+        assert sum(per_round.values()) >= 2048
+
+
+def test_a_reporter_whose_next_batch_started_is_planned_as_mid_batch() -> None:
+    def plan(ahead: bool) -> tuple[Directive, int | None, float | None]:
+        planner = RoundPlanner(20, 1)
+        planner.add_worker("a", 10)
+        # Its first report already covers the round's budget.
+        answer = planner.report("a", Progress(0, 2, 20, 1.0, 10, next_batch_started=ahead), 2.0)
+        return answer, planner.target("a"), planner.sync_at
+
+    # A worker that waits for the answer stops where it is; one whose third batch already
+    # runs is counted as running it: the sync is planned for when that batch ends.
+    assert plan(ahead=False) == (Directive(K.SYNC_NOW, 0, 0), 2, 2.0)
+    assert plan(ahead=True) == (Directive(K.SYNC_AFTER, 1, 0), 3, 3.0)
+    # A late joiner that is mid-batch gets at least that batch.
+    planner = RoundPlanner(30, 1, lookahead=1.0)
+    planner.add_worker("a", 10)
+    planner.report("a", Progress(0, 3, 30, 1.0, 10), 3.0)
+    late = planner.report("c", Progress(0, 1, 5, 4.0, 5, next_batch_started=True), 3.0)
+    assert late == Directive(K.SYNC_AFTER, 1, 0)
 
 
 def test_the_plan_depends_on_the_round_not_on_absolute_time() -> None:

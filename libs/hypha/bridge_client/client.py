@@ -250,7 +250,14 @@ class BridgeClient(Resource):
         loss: float,
         batch_seconds: float,
         batch_size: int,
+        next_batch_started: bool = False,
     ) -> Directive:
+        """Report the round's progress; the scheduler's directive.
+
+        ``next_batch_started``: the caller started its next batch without waiting
+        for this answer and acts on it after that batch (a ``sync_after`` count
+        still counts from the batch reported here).
+        """
         body = await self._json(
             "POST",
             "/v1/progress",
@@ -261,6 +268,7 @@ class BridgeClient(Resource):
                 "loss": loss,
                 "batch_seconds": batch_seconds,
                 "batch_size": batch_size,
+                "next_batch_started": next_batch_started,
             },
         )
         return Directive(
@@ -472,9 +480,18 @@ class SyncBridgeClient:
         self._run(self.client.slices_used(indices))
 
     def progress(
-        self, round: int, batches: int, samples: int, loss: float, batch_seconds: float, batch_size: int
+        self,
+        round: int,
+        batches: int,
+        samples: int,
+        loss: float,
+        batch_seconds: float,
+        batch_size: int,
+        next_batch_started: bool = False,
     ) -> Directive:
-        return self._run(self.client.progress(round, batches, samples, loss, batch_seconds, batch_size))
+        return self._run(
+            self.client.progress(round, batches, samples, loss, batch_seconds, batch_size, next_batch_started)
+        )
 
     def metrics(self, round: int, values: Mapping[str, float]) -> None:
         self._run(self.client.metrics(round, values))

@@ -87,14 +87,20 @@ Policy = Callable[[str, int, int], FakeDirective]
 
 
 def sync_every(batches: Mapping[str, int], rounds: int | None = None) -> Policy:
-    """Tell each trainer to sync after its own number of batches; ``done`` once ``rounds`` are over."""
+    """Tell each trainer to sync after its own number of batches; ``done`` once ``rounds`` are over.
+
+    The count is announced from the first report on (``sync_after``), as the
+    scheduler's planner does: the trainer reads an answer one batch after its
+    report, so only a count it knows ahead lands exactly.
+    """
 
     def policy(peer: str, round_number: int, done: int) -> FakeDirective:
         if rounds is not None and round_number >= rounds:
             return FakeDirective("done", 0, round_number)
-        if done >= batches[peer]:
+        left = batches[peer] - done
+        if left <= 0:
             return FakeDirective("sync_now", 0, round_number)
-        return FakeDirective("continue", 0, round_number)
+        return FakeDirective("sync_after", left, round_number)
 
     return policy
 
@@ -126,7 +132,8 @@ class FakeNetwork:
 
     def __post_init__(self) -> None:
         self.sent: list[Sent] = []
-        self.progress: list[tuple[str, int, int, int, float]] = []
+        #: (peer, round, batches, samples, loss, next_batch_started) of every report.
+        self.progress: list[tuple[str, int, int, int, float, bool]] = []
         self.progress_times: list[tuple[str, float, int]] = []
         self.metrics: list[tuple[str, int, dict[str, float]]] = []
         self.used: dict[str, list[int]] = {}
@@ -278,11 +285,18 @@ class FakeBridge:
             slice_copy(self._work_dir, index).unlink(missing_ok=True)
 
     async def progress(
-        self, round: int, batches: int, samples: int, loss: float, batch_seconds: float, batch_size: int
+        self,
+        round: int,
+        batches: int,
+        samples: int,
+        loss: float,
+        batch_seconds: float,
+        batch_size: int,
+        next_batch_started: bool = False,
     ) -> FakeDirective:
         assert math.isfinite(loss)
         loop = asyncio.get_running_loop()
-        self.network.progress.append((self.peer, round, batches, samples, loss))
+        self.network.progress.append((self.peer, round, batches, samples, loss, next_batch_started))
         self.network.progress_times.append((self.peer, loop.time(), batch_size))
         return self.network.directive(self.peer, round, batches)
 

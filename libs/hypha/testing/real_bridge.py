@@ -90,7 +90,16 @@ class NetworkLink:
         from hypha.v1 import scheduler_pb2
 
         loop = asyncio.get_running_loop()
-        self.network.progress.append((self.peer, report.round, report.batches, report.samples, report.loss))
+        self.network.progress.append(
+            (
+                self.peer,
+                report.round,
+                report.batches,
+                report.samples,
+                report.loss,
+                report.next_batch_started,
+            )
+        )
         self.network.progress_times.append((self.peer, loop.time(), report.batch_size))
         directive = self.network.directive(self.peer, report.round, report.batches)
         kinds = {

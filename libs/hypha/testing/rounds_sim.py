@@ -94,15 +94,20 @@ def simulate(
     *,
     seed: int = 0,
     sync_seconds: float = 0.0,
+    pipelined: bool = False,
     max_events: int = 10_000_000,
 ) -> SimResult:
     """Run ``rounds`` rounds of simulated workers against ``planner``.
 
     Each worker runs a batch, reports, and obeys the answer: another batch,
-    or wait at the sync point. When all wait, the round ends at the last
-    arrival (everyone else idled until then) and the next starts
-    ``sync_seconds`` later. Batch durations are drawn around each worker's
-    mean with its jitter (seeded, so runs are reproducible).
+    or wait at the sync point. ``pipelined`` workers behave as the built-in
+    trainer does: they start the next batch as they report and act on the
+    answer after it (a ``sync_after`` count still counts from the reported
+    batch; the round's last batch is reported and answered before the sync).
+    When all wait, the round ends at the last arrival (everyone else idled
+    until then) and the next starts ``sync_seconds`` later. Batch durations
+    are drawn around each worker's mean with its jitter (seeded, so runs are
+    reproducible).
     """
     rng = random.Random(seed)
     for w in workers:
@@ -120,6 +125,9 @@ def simulate(
         start = now
         batches = dict.fromkeys(by_id, 0)
         samples = dict.fromkeys(by_id, 0)
+        countdown: dict[str, int | None] = dict.fromkeys(by_id)
+        #: A pipelined worker's answer not acted on yet, with the batch count it answered.
+        pending: dict[str, tuple[Directive, int] | None] = dict.fromkeys(by_id)
         arrived: dict[str, float] = {}
         heap: list[tuple[float, str, float]] = []
         for w in workers:
@@ -133,14 +141,33 @@ def simulate(
             w = by_id[wid]
             batches[wid] += 1
             samples[wid] += w.batch_size
-            answer = planner.report(
-                wid, Progress(round_, batches[wid], samples[wid], took, w.batch_size), now
-            )
-            if answer.syncs_now or answer.kind is DirectiveKind.DONE:
-                arrived[wid] = now
+
+            figures = (round_, batches[wid], samples[wid], took, w.batch_size)
+            if pipelined:
+                left = countdown[wid]
+                left = None if left is None else left - 1
+                if (waiting := pending[wid]) is not None:
+                    answer, reported = waiting
+                    pending[wid] = None
+                    if answer.syncs_now or answer.kind is DirectiveKind.DONE:
+                        left = 0
+                    elif answer.kind is DirectiveKind.SYNC_AFTER:
+                        due = max(0, answer.batches - (batches[wid] - reported))
+                        left = due if left is None else min(left, due)
+                countdown[wid] = left
+                if left is not None and left <= 0:
+                    planner.report(wid, Progress(*figures), now)
+                    arrived[wid] = now
+                    continue
+                ahead = Progress(*figures, next_batch_started=True)
+                pending[wid] = (planner.report(wid, ahead, now), batches[wid])
             else:
-                d = duration(w)
-                heapq.heappush(heap, (now + d, wid, d))
+                answer = planner.report(wid, Progress(*figures), now)
+                if answer.syncs_now or answer.kind is DirectiveKind.DONE:
+                    arrived[wid] = now
+                    continue
+            d = duration(w)
+            heapq.heappush(heap, (now + d, wid, d))
         end = max(arrived.values())
         result.idle.append({wid: end - at for wid, at in arrived.items()})
         for wid, at in arrived.items():

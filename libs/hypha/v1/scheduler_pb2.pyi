@@ -242,7 +242,7 @@ class SubmitOfferResponse(_message.Message):
     def __init__(self, received: _Optional[bool] = ...) -> None: ...
 
 class ProgressReport(_message.Message):
-    __slots__ = ("job_id", "round", "batches", "samples", "loss", "batch_seconds", "batch_size")
+    __slots__ = ("job_id", "round", "batches", "samples", "loss", "batch_seconds", "batch_size", "next_batch_started")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,7 @@ class ProgressReport(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_BATCH_STARTED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     batches: int
@@ -257,7 +258,8 @@ class ProgressReport(_message.Message):
     loss: float
     batch_seconds: float
     batch_size: int
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., batches: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., batch_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    next_batch_started: bool
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., batches: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., batch_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., next_batch_started: _Optional[bool] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("kind", "batches", "round")

@@ -39,9 +39,12 @@ How ``RoundPlanner`` decides (all pure; time is passed in):
   round ``rounds`` or beyond is answered ``DONE``.
 
 Directive semantics for workers: ``batches`` counts batches *after* the one
-just reported; ``SYNC_NOW`` means "send your delta now". A worker waits for
-the answer before starting its next batch (the call is cheap), so the
-scheduler's view of who is mid-batch is exact.
+just reported; ``SYNC_NOW`` means "send your delta now". A report says
+whether the worker waits for the answer before its next batch or started
+that batch as it reported (``next_batch_started``: the built-in trainer, so
+the round trip overlaps training); the plan counts such a batch as in
+flight, as it does every other worker's, so the scheduler's view of who is
+mid-batch stays exact.
 
 ``hypha.testing.rounds_sim`` holds the baseline the benchmark compares
 against (equal batch counts per worker) and a discrete-event simulation that
@@ -103,12 +106,22 @@ class Progress:
     batch_seconds: float = 0.0
     batch_size: int = 0
     loss: float = 0.0
+    #: The worker's next batch began as it sent this report (it acts on the answer after it).
+    next_batch_started: bool = False
 
     @classmethod
     def from_proto(cls, msg: scheduler_pb2.ProgressReport) -> Progress:
         if not math.isfinite(msg.batch_seconds) or msg.batch_seconds < 0:
             raise InvalidArgumentError("progress.batch_seconds must be a finite, non-negative number")
-        return cls(msg.round, msg.batches, msg.samples, msg.batch_seconds, msg.batch_size, msg.loss)
+        return cls(
+            msg.round,
+            msg.batches,
+            msg.samples,
+            msg.batch_seconds,
+            msg.batch_size,
+            msg.loss,
+            msg.next_batch_started,
+        )
 
 
 def batch_size_for(
@@ -171,6 +184,8 @@ class _Worker:
     samples: int = 0
     last_report: float | None = None
     target: int | None = None  # batch count (this round) after which to sync
+    ahead: bool = False  # its last report said its next batch had started
+    pipelined: bool = False  # any report of it did: it hears of a plan a batch late
 
     def batch_seconds(self) -> float | None:
         if self.rate is None or self.rate <= 0 or self.batch_size <= 0:
@@ -266,6 +281,8 @@ class RoundPlanner:
             # Joined after the plan: whatever fits before the sync point.
             seconds = worker.batch_seconds()
             extra = 0 if seconds is None else int(max(0.0, self.sync_at - now) / seconds + _EPS)
+            if worker.ahead:
+                extra = max(extra, 1)  # the batch it started as it reported ends whatever we say
             worker.target = worker.batches + extra
         if worker.target is not None:
             return self._directive(worker)
@@ -306,6 +323,8 @@ class RoundPlanner:
         worker.batches = progress.batches
         worker.samples = progress.samples
         worker.last_report = now
+        worker.ahead = progress.next_batch_started
+        worker.pipelined = worker.pipelined or worker.ahead
 
     def _should_plan(self) -> bool:
         remaining = self.samples_per_round - self.round_samples()
@@ -323,7 +342,7 @@ class RoundPlanner:
     def _plan(self, reporter: str, now: float) -> None:
         """Fix the sync time and every worker's target (see the module docstring)."""
         remaining = self.samples_per_round - self.round_samples()
-        first: dict[str, float] = {}  # when each worker's next batch completes
+        last: dict[str, float] = {}  # when each worker's last forced batch completes (or now)
         forced: dict[str, int] = {}  # batches that will complete whatever we say
         base: dict[str, int] = {}  # batches done this round at its last report
         floor_t = now
@@ -334,21 +353,25 @@ class RoundPlanner:
             in_round = w.round == self.round and w.last_report is not None
             base[wid] = w.batches if in_round else 0
             if wid == reporter:
-                # It waits for this answer: nothing of it is in flight.
-                forced[wid], first[wid] = 0, now + seconds
-                continue
-            # Everyone else is mid-batch: since its last report, or since the
-            # round began if it has not reported in this round yet.
-            started = w.last_report if in_round else self._round_started
-            if started is None:
-                continue
-            done_at = max(now, started + seconds)
-            forced[wid], first[wid] = 1, done_at
-            floor_t = max(floor_t, done_at)
-            remaining -= w.batch_size
+                # This answer reaches it now: nothing is in flight if it waits for it,
+                # the batch it started as it reported if not.
+                forced[wid] = 1 if w.ahead else 0
+                started: float | None = now
+            else:
+                # Everyone else is mid-batch: since its last report, or since the round
+                # began if it has not reported in this round yet. One that starts a batch
+                # as it reports runs another before it can hear of this plan.
+                started = w.last_report if in_round else self._round_started
+                if started is None:
+                    continue
+                forced[wid] = 2 if w.pipelined else 1
+            done_at = max(now, started + seconds) if forced[wid] and started is not None else now
+            last[wid] = done_at + max(0, forced[wid] - 1) * seconds
+            floor_t = max(floor_t, last[wid])
+            remaining -= forced[wid] * w.batch_size
         sync_at = floor_t
-        if remaining > 0 and first:
-            heap = [(t + (self._seconds(w) if forced[w] else 0.0), w) for w, t in first.items()]
+        if remaining > 0 and last:
+            heap = [(t + self._seconds(w), w) for w, t in last.items()]
             heapq.heapify(heap)
             for _ in range(1_000_000):
                 if remaining <= 0 or not heap:
@@ -359,13 +382,9 @@ class RoundPlanner:
                 heapq.heappush(heap, (t + self._seconds(wid), wid))
         self.sync_at = sync_at
         for wid, w in self._workers.items():
-            if wid not in first:
+            if wid not in last:
                 continue  # gets its target when it reports
-            seconds = self._seconds(wid)
-            if forced[wid]:
-                extra = 1 + int((sync_at - first[wid]) / seconds + _EPS)
-            else:
-                extra = int((sync_at - now) / seconds + _EPS)
+            extra = forced[wid] + int((sync_at - last[wid]) / self._seconds(wid) + _EPS)
             w.target = base[wid] + extra
 
     def _seconds(self, worker_id: str) -> float:

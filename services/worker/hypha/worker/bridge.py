@@ -40,6 +40,7 @@ from hypha.v1 import common_pb2, scheduler_pb2
 from hypha.worker.bridge_http import (
     bind_unix_socket,
     errors_middleware,
+    json_bool,
     json_float,
     json_int,
     json_str,
@@ -351,6 +352,7 @@ class JobBridge:
             loss=json_float(data, "loss", 0.0),
             batch_seconds=json_float(data, "batch_seconds", 0.0),
             batch_size=json_int(data, "batch_size", 0),
+            next_batch_started=json_bool(data, "next_batch_started"),
         )
         directive = await self.ctx.link.progress(report)
         return web.json_response(

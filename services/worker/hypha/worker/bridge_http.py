@@ -129,6 +129,13 @@ def json_float(data: dict[str, Any], key: str, default: float | None = None) -> 
     return float(value)
 
 
+def json_bool(data: dict[str, Any], key: str, default: bool = False) -> bool:
+    value = data.get(key, default)
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{key!r} must be true or false")
+    return value
+
+
 def json_str(data: dict[str, Any], key: str, default: str | None = None) -> str:
     value = data.get(key, default)
     if not isinstance(value, str) or (default is None and not value):

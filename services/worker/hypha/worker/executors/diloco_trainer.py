@@ -7,8 +7,10 @@ One round, from the trainer's side:
 
 1. take slices from the bridge (the scheduler assigns them), cut them into
    batches of this worker's batch size, run one AdamW step per batch and
-   report progress after each; the reply is the scheduler's directive;
-2. on ``sync_after K`` run K more batches, on ``sync_now`` stop at once, and
+   report progress after each; the reply is the scheduler's directive, read
+   after the next batch (the report travels while it trains, ``reports``);
+2. on ``sync_after K`` run K more batches (counted from the reported one),
+   on ``sync_now`` stop after the batch in flight, and
    sync: send Δ = θ_local - θ_global for the samples of this round to the
    parameter server (in the job's ``delta_dtype``; int8 and top-k keep the
    compression residual and add it to the next round's Δ, see
@@ -69,7 +71,8 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -81,6 +84,7 @@ from hypha.diloco.streaming import fragments_for, rebase_fragment
 from hypha.directives import DirectiveKind
 from hypha.errors import HyphaError, InvalidArgumentError, UnavailableError
 from hypha.tensors.payload import read_metadata
+from hypha.worker.executors.reports import ReportPipe
 from hypha.worker.executors.training import (
     DELTA,
     GLOBAL,
@@ -166,6 +170,8 @@ class DilocoTrainer:
         self._inflight: _InFlight | None = None
         #: The checkpoint being written in a thread (see the module NOTE).
         self._checkpointing: asyncio.Future[Path] | None = None
+        #: The progress report travelling while the next batch trains.
+        self._reports = ReportPipe()
 
     @property
     def streaming(self) -> bool:
@@ -176,6 +182,7 @@ class DilocoTrainer:
         try:
             await self._run()
         except (HyphaError, OSError, RuntimeError, ValueError) as exc:
+            self._reports.cancel()
             self._cancel_inflight()
             await self._checkpoint_settled(quiet=True)
             message = exc.message if isinstance(exc, HyphaError) else f"{type(exc).__name__}: {exc}"
@@ -232,10 +239,12 @@ class DilocoTrainer:
         stats = RoundStats()
         countdown: int | None = None
         idle_s = self.options.idle_min_s
+        reports = self._reports
         while not self._finished():
             batch = await self._next_batch(stream)
             if batch is None:
                 # No data for now: a zero-batch progress report still fetches the directive.
+                await reports.settle()
                 kind, _ = await self._report(stats, batch_size)
                 if kind is DirectiveKind.DONE:
                     break
@@ -249,12 +258,9 @@ class DilocoTrainer:
             idle_s = self.options.idle_min_s
 
             started = time.perf_counter()
-            if self.streaming:  # off the event loop, so the fragment in flight moves meanwhile
-                loss = await asyncio.to_thread(
-                    train_step, model, optimizer, self.kind, to_device(batch, device)
-                )
-            else:
-                loss = train_step(model, optimizer, self.kind, to_device(batch, device))
+            # Off the event loop: the last batch's progress report (and, streaming, the
+            # fragment in flight) moves while this one trains.
+            loss = await asyncio.to_thread(train_step, model, optimizer, self.kind, to_device(batch, device))
             elapsed = time.perf_counter() - started
             stats.batches += 1
             stats.samples += batch_rows(batch)
@@ -266,19 +272,26 @@ class DilocoTrainer:
                 await bridge.slices_used(used)
             if countdown is not None:
                 countdown -= 1
-            kind, more = await self._report(stats, batch_size)
-            if kind is DirectiveKind.DONE:
-                break
-            if kind is DirectiveKind.SYNC_NOW:
-                countdown = 0
-            elif kind is DirectiveKind.SYNC_AFTER:
-                countdown = more if countdown is None else min(countdown, more)
+            answer = reports.answer()
+            if answer is not None:
+                if answer.kind is DirectiveKind.DONE:
+                    break
+                countdown = _sooner(countdown, answer.countdown(stats.batches))
             if countdown is not None and countdown <= 0:
+                # The round's last batch: its report is awaited (the scheduler sees the
+                # round end before the delta) and may still say the job is done.
+                await reports.settle()
+                kind, _ = await self._report(stats, batch_size)
+                if kind is DirectiveKind.DONE:
+                    break
                 await self._sync(stats, model, optimizer, checkpoint_dir)
                 stats, countdown = RoundStats(), None
-            elif self._inflight is not None and self._inflight.task.done():
+                continue
+            reports.send(stats.batches, partial(self._report, replace(stats), batch_size, ahead=True))
+            if self._inflight is not None and self._inflight.task.done():
                 await self._land(model, optimizer, checkpoint_dir)
 
+        await reports.settle()
         if self._finished():
             await self._land(model, optimizer, checkpoint_dir)  # the final fragment's update, if served
         else:
@@ -288,9 +301,12 @@ class DilocoTrainer:
             "succeeded", f"trained to round {self.round_number}, {self.samples_total} samples"
         )
 
-    async def _report(self, stats: RoundStats, batch_size: int) -> tuple[DirectiveKind, int]:
+    async def _report(
+        self, stats: RoundStats, batch_size: int, *, ahead: bool = False
+    ) -> tuple[DirectiveKind, int]:
         """Report the round's progress; the scheduler's directive and its batch count.
 
+        ``ahead``: the next batch starts as this report leaves (``reports``).
         An unreachable scheduler is not fatal: training continues and the next
         report asks again.
         """
@@ -302,6 +318,7 @@ class DilocoTrainer:
                 loss=_finite(stats.mean_loss),
                 batch_seconds=stats.last_batch_seconds,
                 batch_size=batch_size,
+                next_batch_started=ahead,
             )
         except UnavailableError as exc:
             _raise_if_bridge_gone(exc)
@@ -577,6 +594,13 @@ def _raise_if_bridge_gone(exc: UnavailableError) -> None:
     cause = exc.__cause__
     if isinstance(cause, OSError) and not isinstance(cause, TimeoutError):
         raise exc
+
+
+def _sooner(countdown: int | None, other: int | None) -> int | None:
+    """The smaller countdown: a repeated ``sync_after`` never postpones the sync."""
+    if countdown is None:
+        return other
+    return countdown if other is None else min(countdown, other)
 
 
 def _finite(value: float) -> float:
