@@ -23,6 +23,8 @@ slice files, timed from the end of its first batch to the end of its last.
 figure = ``real`` samples/s (median over repeats); ratio = figure / baseline (target >= 0.95,
 i.e. <= 5 % overhead). ``steady_ratio`` compares the median batch interval alone (no syncs);
 ``paired_ratio`` is the median of each repeat's own real/bare ratio (less swayed by load drift).
+``--scheduler-rtt-ms N`` delays the scheduler's answer to each progress report by N ms in
+the real runs, as a scheduler across a WAN or behind relays would (the fake run has none).
 ``--timings FILE`` runs each real trainer through ``_bridge_timings.py`` (time per bridge call,
 train step and checkpoint); ``--profile DIR`` runs one real trainer under pyinstrument.
 """
@@ -131,7 +133,7 @@ def _run_bare(model_dir: Path, slices: list[Path], batches: int, lr: float) -> t
     return _throughput(times, BATCH)
 
 
-def main(quick: bool, profile: Path | None = None) -> None:
+def main(quick: bool, profile: Path | None = None, scheduler_rtt_ms: float = 0.0) -> None:
     import torch
 
     from hypha import models
@@ -162,6 +164,7 @@ def main(quick: bool, profile: Path | None = None) -> None:
 
     def network(name: str) -> Any:
         return FakeNetwork(
+            progress_delay_s=scheduler_rtt_ms / 1e3,
             spec=diloco_spec(rounds=rounds, inner_lr=lr),
             root=base / name,
             model_dir=model_dir,
@@ -208,6 +211,7 @@ def main(quick: bool, profile: Path | None = None) -> None:
         batch_size=BATCH,
         parameters=params,
         threads=1,
+        scheduler_rtt_ms=scheduler_rtt_ms,
     )
 
 
@@ -222,6 +226,12 @@ if __name__ == "__main__":
     parser.add_argument(
         "--timings", type=Path, help="append the trainer's per-call timings of each real run here"
     )
+    parser.add_argument(
+        "--scheduler-rtt-ms",
+        type=float,
+        default=0.0,
+        help="delay each progress answer of the real runs by this much (a distant scheduler)",
+    )
     args = parser.parse_args()
     TIMINGS = args.timings
-    main(args.quick, args.profile)
+    main(args.quick, args.profile, args.scheduler_rtt_ms)

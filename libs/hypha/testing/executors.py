@@ -128,6 +128,8 @@ class FakeNetwork:
     attempts: dict[str, int] = field(default_factory=dict)
     #: Real seconds an empty inbox waits at most (the PS's clock is what tests control).
     inbox_wait_cap_s: float = 0.05
+    #: Seconds the scheduler's answer to a progress report takes through the real bridge (a WAN).
+    progress_delay_s: float = 0.0
     preprocessor_dir: Path | None = None
 
     def __post_init__(self) -> None:

@@ -102,6 +102,8 @@ class NetworkLink:
         )
         self.network.progress_times.append((self.peer, loop.time(), report.batch_size))
         directive = self.network.directive(self.peer, report.round, report.batches)
+        if self.network.progress_delay_s > 0:
+            await asyncio.sleep(self.network.progress_delay_s)  # the scheduler's round trip, simulated
         kinds = {
             "continue": scheduler_pb2.DIRECTIVE_KIND_CONTINUE,
             "sync_after": scheduler_pb2.DIRECTIVE_KIND_SYNC_AFTER,
