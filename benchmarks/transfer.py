@@ -86,7 +86,9 @@ async def main(quick: bool) -> None:
     from hypha.net.server import NodeServer
     from hypha.tensors.payload import encode_state
     from hypha.v1 import worker_pb2_grpc
-    from hypha.worker.jobs_servicer import WorkerJobsMixin
+    from hypha.worker.job_manager import JobManager
+    from hypha.worker.jobs_config import JobsSection
+    from hypha.worker.jobs_servicer import WorkerJobs, WorkerJobsMixin
     from hypha.worker.transfer import TensorExchange
 
     tune_malloc()  # as every node process does (hypha.cli.node)
@@ -100,12 +102,17 @@ async def main(quick: bool) -> None:
     receiver = TensorExchange(None)
     receiver.open_job("bench")
 
+    def no_scheduler(dispatch: object) -> Any:
+        raise AssertionError("the benchmark dispatches no job")
+
+    # The worker's real handlers: the push passes the same membership check as on a node
+    # (a job opened by hand has no dispatch, so any authenticated worker may push to it).
+    manager = JobManager(JobsSection(), path.parent / "work", exchange=receiver, link_factory=no_scheduler)
+    jobs = WorkerJobs(manager, receiver, lease_ok=lambda lease, scheduler: False)
+
     class PsWorker(WorkerJobsMixin, worker_pb2_grpc.WorkerServicer):
         def __init__(self) -> None:
-            from hypha.worker.jobs_servicer import WorkerJobs
-
-            self.jobs = WorkerJobs.__new__(WorkerJobs)
-            self.jobs.exchange = receiver
+            self.jobs = jobs
 
     server = NodeServer(
         pki.tls("worker"),

@@ -15,6 +15,7 @@ from hypha.tensors.chunks import (
     DEFAULT_CHUNK_SIZE,
     AssemblyState,
     ChunkAssembler,
+    ChunkFeeder,
     assemble,
     feed_off_loop,
     sha256_hex,
@@ -245,3 +246,28 @@ async def test_feeding_off_the_loop_assembles_the_same_payload() -> None:
     for chunk in split_payload(payload, chunk_size=256 * 1024):
         await feed_off_loop(assembler, chunk)
     assert assembler.finish() == payload
+
+
+async def test_a_feeder_one_chunk_behind_assembles_the_same_payload_and_raises_a_bad_one_later(
+    tmp_path: Path,
+) -> None:
+    payload = os.urandom(1 << 20)
+    chunks = list(split_payload(payload, chunk_size=256 * 1024))
+    good = ChunkAssembler(max_bytes=1 << 21)
+    feeder = ChunkFeeder(good)
+    for chunk in chunks:
+        await feeder.feed(chunk)
+    await feeder.flush()
+    assert good.finish() == payload
+
+    # A corrupted last chunk: its failure comes out of flush, and abort leaves no spool file.
+    bad = ChunkAssembler(max_bytes=1 << 21, spool_dir=tmp_path, memory_bytes=1 << 18)
+    feeder = ChunkFeeder(bad)
+    chunks[-1].data = bytes(len(chunks[-1].data))
+    for chunk in chunks:
+        await feeder.feed(chunk)
+    with pytest.raises(DataLossError):
+        await feeder.flush()
+    await feeder.settle()
+    bad.abort()
+    assert not os.listdir(tmp_path)

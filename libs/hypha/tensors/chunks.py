@@ -296,6 +296,49 @@ async def feed_off_loop(assembler: ChunkAssembler, chunk: common_pb2.Chunk) -> N
         raise
 
 
+class ChunkFeeder:
+    """Feeds an assembler one chunk behind the stream it reads from.
+
+    ``feed_off_loop`` makes the reader wait for each chunk's hash and write;
+    here chunk k is hashed and written in a worker thread while the reader
+    takes chunk k+1 off the wire (the tensor exchange's pushes and pulls:
+    docs/performance.md). Chunks still reach the assembler one at a time and
+    in order. A failure of chunk k (too large, wrong checksum) is raised by
+    the next ``feed`` or by ``flush``; ``settle`` waits for a chunk in flight
+    without raising, so an ``abort()`` after it never races a spool write.
+    """
+
+    def __init__(self, assembler: ChunkAssembler) -> None:
+        self.assembler = assembler
+        self._pending: asyncio.Future[None] | None = None
+
+    async def feed(self, chunk: common_pb2.Chunk) -> None:
+        await self.flush()
+        if len(chunk.data) < _THREAD_FEED_BYTES or self.assembler.state is not AssemblyState.RECEIVING:
+            self.assembler.feed(chunk)
+            return
+        self._pending = asyncio.ensure_future(asyncio.to_thread(self.assembler.feed, chunk))
+
+    async def flush(self) -> None:
+        """Wait for the chunk in flight; its failure is raised here."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            await asyncio.wait([pending])
+            raise
+
+    async def settle(self) -> None:
+        """Wait for the chunk in flight, if any, and drop its outcome (the caller is giving up)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            await asyncio.wait([pending])
+            if not pending.cancelled():
+                pending.exception()  # retrieved: the caller already fails for its own reason
+
+
 def assemble(
     chunks: Iterable[common_pb2.Chunk],
     *,

@@ -2,10 +2,10 @@
 
 Split from ``transfer`` so that the exchange module is about inboxes, publications
 and sending; these are the byte-moving helpers it (and the worker's result
-stream) uses. Each block is read and hashed in one worker thread call, and the
-chunk is filled inside the message that goes on the wire, since wrapping a
-finished ``Chunk`` into a ``TensorChunk`` would copy its bytes once more
-(docs/performance.md).
+stream) uses. Each block is read and hashed in one worker thread call, the next
+one while the current one is being sent, and the chunk is filled inside the
+message that goes on the wire, since wrapping a finished ``Chunk`` into a
+``TensorChunk`` would copy its bytes once more (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -67,14 +67,24 @@ async def file_messages(
         handle = await asyncio.to_thread(open, path, "rb")
     except FileNotFoundError:
         raise NotFoundError(f"tensor file {path.name} is gone") from None
+    reading: asyncio.Future[bytes] | None = None
     try:
         total = os.fstat(handle.fileno()).st_size
         digest = hashlib.sha256()
         offset = 0
+
+        def read_next() -> asyncio.Future[bytes] | None:
+            # The next block is read and hashed while this one is on the wire; reads stay
+            # sequential (each starts once the one before is done), so the digest is in order.
+            if offset >= total:
+                return None
+            return asyncio.ensure_future(asyncio.to_thread(_read_hashed, handle, chunk_size, digest))
+
+        reading = read_next()
         while True:
-            data = (
-                await asyncio.to_thread(_read_hashed, handle, chunk_size, digest) if offset < total else b""
-            )
+            data = b""
+            if reading is not None:
+                data, reading = await reading, None
             message = new()
             chunk = chunk_of(message)
             chunk.offset = offset
@@ -91,8 +101,11 @@ async def file_messages(
                 chunk.sha256 = digest.hexdigest()
                 yield message, first
                 return
+            reading = read_next()
             yield message, first
     finally:
+        if reading is not None:  # the consumer stopped early: let the thread finish before closing
+            await asyncio.wait([reading])
         handle.close()
 
 

@@ -45,7 +45,7 @@ from hypha.errors import (
     UnavailableError,
 )
 from hypha.net.backoff import Backoff
-from hypha.tensors.chunks import DEFAULT_CHUNK_SIZE, ChunkAssembler, feed_off_loop
+from hypha.tensors.chunks import DEFAULT_CHUNK_SIZE, ChunkAssembler, ChunkFeeder
 from hypha.tensors.payload import CONTENT_TYPE, read_metadata
 from hypha.v1 import worker_pb2, worker_pb2_grpc
 from hypha.worker.tensor_files import file_chunks, file_messages, read_head, tensor_chunk
@@ -224,6 +224,7 @@ class TensorExchange:
     ) -> worker_pb2.PushTensorsResponse:
         """Assemble one pushed payload and queue it; raises (nothing queued) if the stream breaks."""
         assembler = self._assembler()
+        feeder = ChunkFeeder(assembler)
         first: worker_pb2.TensorChunk | None = None
         job: _Job | None = None
         reserved = 0
@@ -236,7 +237,8 @@ class TensorExchange:
                         check_kind(message.kind)
                         job = self._job(message.job_id)  # refuse before receiving gigabytes for nobody
                         reserved = await self._reserve(job, message.job_id, message.chunk.total_size)
-                    await feed_off_loop(assembler, message.chunk)
+                    await feeder.feed(message.chunk)
+                await feeder.flush()
                 if first is None:
                     raise InvalidArgumentError("empty tensor stream")
                 payload = await self._complete(
@@ -259,6 +261,7 @@ class TensorExchange:
                 ) from None
             queued = True
         finally:
+            await feeder.settle()
             assembler.abort()  # nothing after finish; a half-received spool file is deleted
             if not queued and job is not None and reserved:
                 await self._unreserve(job, reserved)
@@ -518,6 +521,7 @@ class TensorExchange:
             worker_pb2.PullTensorsRequest(job_id=job_id, kind=kind, round=round), timeout=timeout_s
         )
         assembler = self._assembler()
+        feeder = ChunkFeeder(assembler)
         first: worker_pb2.TensorChunk | None = None
         job = self._jobs.get(job_id)
         try:
@@ -528,7 +532,8 @@ class TensorExchange:
                 self.bytes_total["pulled"] += size
                 if job is not None:
                     job.pulled_bytes += size
-                await feed_off_loop(assembler, message.chunk)
+                await feeder.feed(message.chunk)
+            await feeder.flush()
             if first is None:
                 raise DataLossError(f"{kind} stream from {peer_id} ended before its first chunk")
             return await self._complete(
@@ -537,6 +542,7 @@ class TensorExchange:
         finally:
             if not call.done():
                 call.cancel()
+            await feeder.settle()
             assembler.abort()
 
 
