@@ -344,7 +344,9 @@ class _LateAnswerBridge(FakeBridge):
         if kwargs.get("next_batch_started"):
             held = asyncio.get_running_loop().create_future()
             self._held.append((batches + 2, held))
-            await asyncio.wait_for(held, 30)
+            # Awaited bare (no wait_for layer): ``stepped`` runs before the step's own
+            # completion reaches the trainer, so this answer is back before the trainer looks.
+            await held
         return answer
 
 
