@@ -1,8 +1,9 @@
 """Inference job files: ``[job] kind = "inference"`` -> ``hypha.v1.InferenceJobSpec``.
 
-Kept apart from ``hypha.jobfile`` (which reads the other kinds and calls in
-here) so each stays one screenful per kind; the same typed getters, the same
-errors named by dotted key::
+One module per job kind (``hypha.jobfile.diloco``, ``hypha.jobfile.task``
+and this one; ``hypha.jobfile`` dispatches) so each stays one screenful; the
+same typed getters (``hypha.jobfile.table``), the same errors named by dotted
+key::
 
     [job]
     kind = "inference"
@@ -27,9 +28,17 @@ repository or local path) and exactly one data source (``dataset`` or
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-from hypha.errors import InvalidArgumentError
+from hypha.jobfile.common import (
+    MODEL_TYPES,
+    check_policy,
+    check_price,
+    check_resources,
+    read_model,
+    read_price,
+    read_requirements,
+)
+from hypha.jobfile.table import Table, bad
 from hypha.market.resources import ExecutorKind
 from hypha.v1 import common_pb2
 
@@ -40,15 +49,8 @@ MAX_NEW_TOKENS = 4096
 DEFAULT_BATCH_SIZE = 64
 
 
-def _jobfile() -> Any:
-    from hypha import jobfile  # imported here: hypha.jobfile calls into this module
-
-    return jobfile
-
-
-def inference_table(table: Any) -> common_pb2.InferenceJobSpec:
-    """Read the inference keys of a ``[job]`` table (``hypha.jobfile._Table``)."""
-    jf = _jobfile()
+def inference_table(table: Table) -> common_pb2.InferenceJobSpec:
+    """Read the inference keys of a ``[job]`` table."""
     spec = common_pb2.InferenceJobSpec(
         model_job=table.string("model_job"),
         dataset=table.string("dataset"),
@@ -60,23 +62,23 @@ def inference_table(table: Any) -> common_pb2.InferenceJobSpec:
     )
     model = table.table("model")
     if model is not None:
-        spec.model.CopyFrom(jf._model(model))
+        spec.model.CopyFrom(read_model(model))
     else:
         spec.model.type = common_pb2.MODEL_TYPE_CAUSAL_LM
     inputs = table.raw("inputs")
     if inputs is not None:
         if not isinstance(inputs, list):
-            raise jf._bad(table.key("inputs"), "must be a list of tables {prompt, answer}")
+            raise bad(table.key("inputs"), "must be a list of tables {prompt, answer}")
         for i, item in enumerate(inputs):
-            entry = jf._Table(item, f"{table.key('inputs')}[{i}]")
+            entry = Table(item, f"{table.key('inputs')}[{i}]")
             spec.inputs.add(prompt=entry.string("prompt", required=True), answer=entry.string("answer"))
             entry.done()
     if table.has("resources"):
         spec.requirements.CopyFrom(
-            jf._requirements(table.raw("resources"), table.key("resources"), ExecutorKind.INFERENCE)
+            read_requirements(table.raw("resources"), table.key("resources"), ExecutorKind.INFERENCE)
         )
     spec.requirements.executor = common_pb2.EXECUTOR_KIND_INFERENCE
-    spec.price.CopyFrom(jf._price(table.table("price")))
+    spec.price.CopyFrom(read_price(table.table("price")))
     return spec
 
 
@@ -99,41 +101,44 @@ def inference_key(path: str) -> Callable[[str], str]:
 
 def check_inference(spec: common_pb2.InferenceJobSpec, key: Callable[[str], str]) -> None:
     """The checks shared by job files and structured submissions; errors name the key to fix."""
-    jf = _jobfile()
     m = spec.model
     named = bool(m.repository or m.local_path)
     if spec.model_job and named:
-        raise _bad(key("model_job"), "set model_job or model.repository/model.local_path, not both")
+        raise bad(key("model_job"), "set model_job or model.repository/model.local_path, not both")
     if not spec.model_job and not named:
         if m.type != common_pb2.MODEL_TYPE_TORCH or not m.torch_factory:
-            raise _bad(key("model_job"), "missing: set model_job, or [model] repository or local_path")
-    if m.type not in jf.MODEL_TYPES.values():
-        raise _bad(key("model.type"), "unknown model type")
+            raise bad(key("model_job"), "missing: set model_job, or [model] repository or local_path")
+    if m.type not in MODEL_TYPES.values():
+        raise bad(key("model.type"), "unknown model type")
     if m.local_path and not m.local_path.startswith(("/", "~")):
-        raise _bad(key("model.local_path"), f"{m.local_path!r} must be absolute (a path on the workers)")
+        raise bad(key("model.local_path"), f"{m.local_path!r} must be absolute (a path on the workers)")
     if spec.model_job and (len(spec.model_job) > 128 or not spec.model_job.strip()):
-        raise _bad(key("model_job"), "must be a job id")
+        raise bad(key("model_job"), "must be a job id")
     if spec.dataset.strip() and spec.inputs:
-        raise _bad(key("inputs"), "set dataset or inputs, not both")
+        raise bad(key("inputs"), "set dataset or inputs, not both")
     if not spec.dataset.strip() and not spec.inputs:
-        raise _bad(key("dataset"), "missing: set dataset or inputs")
+        raise bad(key("dataset"), "missing: set dataset or inputs")
     if len(spec.inputs) > MAX_INLINE_INPUTS:
-        raise _bad(key("inputs"), f"at most {MAX_INLINE_INPUTS} inputs (use a dataset for more)")
+        raise bad(key("inputs"), f"at most {MAX_INLINE_INPUTS} inputs (use a dataset for more)")
     if spec.inputs and m.type != common_pb2.MODEL_TYPE_CAUSAL_LM:
-        raise _bad(key("inputs"), "inline inputs are prompts: they need model.type = causal-lm")
+        raise bad(key("inputs"), "inline inputs are prompts: they need model.type = causal-lm")
     if spec.max_new_tokens > MAX_NEW_TOKENS:
-        raise _bad(key("max_new_tokens"), f"at most {MAX_NEW_TOKENS}")
+        raise bad(key("max_new_tokens"), f"at most {MAX_NEW_TOKENS}")
     if spec.batch_size < 1:
-        raise _bad(key("batch_size"), "must be at least 1")
+        raise bad(key("batch_size"), "must be at least 1")
     if spec.timeout_s < 0:
-        raise _bad(key("timeout_s"), "must not be negative (0: no timeout)")
-    jf._check_policy(spec.selection_policy, key("selection_policy"))
-    jf._check_resources(spec.requirements.minimum, key("requirements"))
-    jf._check_price(spec.price, key("price"))
+        raise bad(key("timeout_s"), "must not be negative (0: no timeout)")
+    check_policy(spec.selection_policy, key("selection_policy"))
+    check_resources(spec.requirements.minimum, key("requirements"))
+    check_price(spec.price, key("price"))
 
 
-def _bad(path: str, message: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"{path}: {message}")
-
-
-__all__ = ["check_inference", "inference_defaults", "inference_key", "inference_table"]
+__all__ = [
+    "DEFAULT_BATCH_SIZE",
+    "MAX_INLINE_INPUTS",
+    "MAX_NEW_TOKENS",
+    "check_inference",
+    "inference_defaults",
+    "inference_key",
+    "inference_table",
+]
