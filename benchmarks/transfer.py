@@ -1,10 +1,17 @@
 """Δ transfer: a 100 MB state dict from a trainer's worker to the parameter
 server's worker over mTLS gRPC (the real TensorExchange on both ends: 1 MiB
 chunks, sha256, verified before it is queued; above 64 MiB spooled to disk as it arrives), beside a raw TLS
-socket moving the same bytes between the same two processes' worth of
-certificates, in the same run.
+socket moving the same bytes with the same certificates, in the same run.
 
-    python benchmarks/transfer.py [--quick]
+    python benchmarks/transfer.py [--quick] [--one-process]
+
+As deployed, sender and receiver are two processes: the receiving worker (its
+gRPC server and the worker's real push handler; it drains each verified payload
+and compares the first with the sender's bytes) is a child process
+(``transfer.py --serve-receiver``), and so is the raw TLS receiver
+(``--serve-raw``); the sending side stays in this process. ``--one-process``
+runs both ends in this one process and event loop (the mode of the earlier
+figures in docs/performance.md; the JSON's ``mode`` says which ran).
 
 figure = our throughput (MiB/s, median), baseline = raw TLS throughput, ratio = ours/baseline.
 """
@@ -13,9 +20,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import hashlib
+import json
 import logging
+import signal
 import socket
 import ssl
+import sys
 import tempfile
 import threading
 import time
@@ -42,11 +54,10 @@ class _Connector:
         return None
 
 
-def _raw_server(pki: Any, size: int, ready: threading.Event, port: list[int]) -> None:
+def _raw_server(pki_dir: Path, size: int, ready: threading.Event, port: list[int]) -> None:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    paths = pki.paths("worker")
-    ctx.load_cert_chain(paths.cert, paths.key)
-    ctx.load_verify_locations(paths.trust)
+    ctx.load_cert_chain(pki_dir / "worker-cert.pem", pki_dir / "worker-key.pem")
+    ctx.load_verify_locations(pki_dir / "worker-trust.pem")
     ctx.verify_mode = ssl.CERT_REQUIRED
     listener = socket.create_server(("127.0.0.1", 0))
     port.append(listener.getsockname()[1])
@@ -79,16 +90,106 @@ def _raw_send(pki: Any, port: int, data: bytes) -> float:
     return len(data) / MB / (time.perf_counter() - start)
 
 
-async def main(quick: bool) -> None:
-    import torch
-
-    from hypha.memtune import tune_malloc
+def _receiver_server(tls: Any, receiver: Any, work_dir: Path) -> Any:
+    """A NodeServer with the worker's real push handler in front of ``receiver``: the push passes
+    the same membership check as on a node (a job opened by hand has no dispatch, so any
+    authenticated worker may push to it)."""
     from hypha.net.server import NodeServer
-    from hypha.tensors.payload import encode_state
     from hypha.v1 import worker_pb2_grpc
     from hypha.worker.job_manager import JobManager
     from hypha.worker.jobs_config import JobsSection
     from hypha.worker.jobs_servicer import WorkerJobs, WorkerJobsMixin
+
+    def no_scheduler(dispatch: object) -> Any:
+        raise AssertionError("the benchmark dispatches no job")
+
+    manager = JobManager(JobsSection(), work_dir, exchange=receiver, link_factory=no_scheduler)
+    jobs = WorkerJobs(manager, receiver, lease_ok=lambda lease, scheduler: False)
+
+    class PsWorker(WorkerJobsMixin, worker_pb2_grpc.WorkerServicer):
+        def __init__(self) -> None:
+            self.jobs = jobs
+
+    return NodeServer(
+        tls, "127.0.0.1:0", [(worker_pb2_grpc.add_WorkerServicer_to_server, PsWorker(), "hypha.v1.Worker")]
+    )
+
+
+async def serve_receiver(pki_dir: Path, sha256: str) -> None:
+    """The receiving worker's process: prints its address and peer id, then "checked" once the
+    first payload's bytes matched ``sha256``; drains every later one; stops on SIGTERM."""
+    from hypha.memtune import tune_malloc
+    from hypha.net.tls import PathsTls, TlsMaterial
+    from hypha.worker.transfer import TensorExchange
+
+    tune_malloc()  # as every node process does (hypha.cli.node)
+    tls = TlsMaterial.load(PathsTls.from_certs_dir(pki_dir, "worker"))
+    receiver = TensorExchange(None)
+    receiver.open_job("bench")
+    scratch = tempfile.TemporaryDirectory(prefix="hypha-transfer-rx-")
+    server = _receiver_server(tls, receiver, Path(scratch.name))
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+
+    async def drain() -> None:
+        first = True
+        while True:
+            got = await receiver.next_received("bench", "delta", 3600)
+            if got is None:
+                continue
+            if first:  # the exchange verified the sender's sha256; this checks the bytes kept
+                first = False
+                same = hashlib.sha256(await asyncio.to_thread(got.read)).hexdigest() == sha256
+                print("checked" if same else "received payload differs", flush=True)
+            got.release()
+
+    await server.start()
+    draining = asyncio.create_task(drain())
+    try:
+        print(json.dumps({"address": server.address, "peer_id": tls.identity.peer_id}), flush=True)
+        await stop.wait()
+    finally:
+        draining.cancel()
+        await server.stop(0)
+        scratch.cleanup()
+
+
+def serve_raw(pki_dir: Path, size: int) -> None:
+    """The raw TLS receiver's process: prints its port, then serves until SIGTERM."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # for sigwait, in every thread
+    ready, port = threading.Event(), []
+    threading.Thread(target=_raw_server, args=(pki_dir, size, ready, port), daemon=True).start()
+    ready.wait(10)
+    print(port[0], flush=True)
+    signal.sigwait({signal.SIGTERM})
+
+
+async def _child(*args: str) -> tuple[asyncio.subprocess.Process, bytes]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, *args, stdout=asyncio.subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(proc.stdout.readline(), 120)
+    if not line.strip():
+        raise RuntimeError(f"{args[0]} process did not start (exit code {proc.returncode})")
+    return proc, line
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
+async def main(quick: bool, one_process: bool) -> None:
+    import torch
+
+    from hypha.memtune import tune_malloc
+    from hypha.tensors.payload import encode_state
     from hypha.worker.transfer import TensorExchange
 
     tune_malloc()  # as every node process does (hypha.cli.node)
@@ -96,60 +197,67 @@ async def main(quick: bool) -> None:
     pki = temp_pki()
     state = {f"layer{i}.weight": torch.randn(1024, 1024) for i in range(25)}  # 25 x 4 MiB = 100 MiB
     data = encode_state(state)
-    path = Path(tempfile.mkdtemp(prefix="hypha-transfer-")) / "delta.safetensors"
+    scratch = tempfile.TemporaryDirectory(prefix="hypha-transfer-")  # the 100 MB file goes with it
+    path = Path(scratch.name) / "delta.safetensors"
     path.write_bytes(data)
-
-    receiver = TensorExchange(None)
-    receiver.open_job("bench")
-
-    def no_scheduler(dispatch: object) -> Any:
-        raise AssertionError("the benchmark dispatches no job")
-
-    # The worker's real handlers: the push passes the same membership check as on a node
-    # (a job opened by hand has no dispatch, so any authenticated worker may push to it).
-    manager = JobManager(JobsSection(), path.parent / "work", exchange=receiver, link_factory=no_scheduler)
-    jobs = WorkerJobs(manager, receiver, lease_ok=lambda lease, scheduler: False)
-
-    class PsWorker(WorkerJobsMixin, worker_pb2_grpc.WorkerServicer):
-        def __init__(self) -> None:
-            self.jobs = jobs
-
-    server = NodeServer(
-        pki.tls("worker"),
-        "127.0.0.1:0",
-        [(worker_pb2_grpc.add_WorkerServicer_to_server, PsWorker(), "hypha.v1.Worker")],
-    )
-    await server.start()
-    connector = _Connector(pki.tls("worker"), server.address)
-    sender = TensorExchange(connector)  # type: ignore[arg-type]
-    ready, port = threading.Event(), []
-    threading.Thread(target=_raw_server, args=(pki, len(data), ready, port), daemon=True).start()
-    ready.wait(10)
-
-    async def ours(check: bool = False) -> float:
-        start = time.perf_counter()
-        accepted, message = await sender.send(
-            "bench", server.tls.identity.peer_id, [server.address], "delta", 1, 100, path
-        )
-        assert accepted, message
-        got = await receiver.next_received("bench", "delta", 60)
-        # The receiver verified the sha256 of the whole payload before queueing it; above
-        # memory_payload_bytes it lies in a spool file, as a real 100 MB delta does.
-        assert got is not None and got.nbytes == len(data)
-        elapsed = time.perf_counter() - start
-        if check:
-            assert got.read() == data, "received payload differs"
-        got.release()
-        return len(data) / MB / elapsed
-
+    children: list[asyncio.subprocess.Process] = []
+    receiver: Any = None
+    server: Any = None
     try:
-        await ours(check=True)
-        ours_runs = [await ours() for _ in range(repeats)]
-        _raw_send(pki, port[0], data)
-        raw_runs = [await asyncio.to_thread(_raw_send, pki, port[0], data) for _ in range(repeats)]
+        if one_process:
+            receiver = TensorExchange(None)
+            receiver.open_job("bench")
+            server = _receiver_server(pki.tls("worker"), receiver, path.parent / "work")
+            await server.start()
+            address, peer_id = server.address, server.tls.identity.peer_id
+            ready, port = threading.Event(), []
+            threading.Thread(target=_raw_server, args=(pki.dir, len(data), ready, port), daemon=True).start()
+            ready.wait(10)
+            raw_port = port[0]
+        else:
+            digest = hashlib.sha256(data).hexdigest()
+            proc, line = await _child("--serve-receiver", "--pki", str(pki.dir), "--sha256", digest)
+            children.append(proc)
+            info = json.loads(line)
+            address, peer_id = info["address"], info["peer_id"]
+            raw, line = await _child("--serve-raw", "--pki", str(pki.dir), "--size", str(len(data)))
+            children.append(raw)
+            raw_port = int(line)
+        connector = _Connector(pki.tls("worker"), address)
+        sender = TensorExchange(connector)  # type: ignore[arg-type]
+
+        async def ours(check: bool = False) -> float:
+            start = time.perf_counter()
+            # Accepted means the receiver verified the sha256 of the whole payload and queued it
+            # (above memory_payload_bytes it lies in a spool file, as a real 100 MB delta does).
+            accepted, message = await sender.send("bench", peer_id, [address], "delta", 1, 100, path)
+            assert accepted, message
+            if receiver is not None:
+                got = await receiver.next_received("bench", "delta", 60)
+                assert got is not None and got.nbytes == len(data)
+                if check:
+                    assert got.read() == data, "received payload differs"
+                got.release()
+            elapsed = time.perf_counter() - start
+            if check and receiver is None:
+                assert children[0].stdout is not None
+                verdict = await asyncio.wait_for(children[0].stdout.readline(), 60)
+                assert verdict.strip() == b"checked", verdict.decode(errors="replace")
+            return len(data) / MB / elapsed
+
+        try:
+            await ours(check=True)
+            ours_runs = [await ours() for _ in range(repeats)]
+            _raw_send(pki, raw_port, data)
+            raw_runs = [await asyncio.to_thread(_raw_send, pki, raw_port, data) for _ in range(repeats)]
+        finally:
+            await connector.direct.close()
     finally:
-        await connector.direct.close()
-        await server.stop(0)
+        if server is not None:
+            await server.stop(0)
+        for child in children:
+            await _stop(child)
+        scratch.cleanup()
     figure, base = median(ours_runs), median(raw_runs)
     report(
         "transfer",
@@ -161,11 +269,27 @@ async def main(quick: bool) -> None:
         ours_mib_s=[round(x, 1) for x in ours_runs],
         raw_tls_mib_s=[round(x, 1) for x in raw_runs],
         repeats=repeats,
+        mode="one-process" if one_process else "processes",
     )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--one-process", action="store_true", help="sender and receivers in this one process (old mode)"
+    )
+    parser.add_argument("--serve-receiver", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-raw", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pki", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--sha256", help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(main(parser.parse_args().quick))
+    if args.serve_receiver:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve_receiver(args.pki, args.sha256))
+    elif args.serve_raw:
+        serve_raw(args.pki, args.size)
+    else:
+        asyncio.run(main(args.quick, args.one_process))
