@@ -82,7 +82,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from hypha.errors import InvalidArgumentError
-from hypha.jobfile.common import EXECUTOR_ALIASES, MODEL_TYPES, RESOURCE_FIELDS, RESOURCE_TYPES, Defaults
+from hypha.jobfile.common import (
+    EXECUTOR_ALIASES,
+    MODEL_TYPES,
+    RESOURCE_FIELDS,
+    RESOURCE_TYPES,
+    Defaults,
+    resources_key,
+)
 from hypha.jobfile.diloco import (
     DELTA_DTYPES,
     MAX_STREAMING_FRAGMENTS,
@@ -92,9 +99,9 @@ from hypha.jobfile.diloco import (
     diloco_key,
     diloco_table,
 )
-from hypha.jobfile.inference import check_inference, inference_defaults, inference_key, inference_table
+from hypha.jobfile.inference import check_inference, inference_defaults, inference_table
 from hypha.jobfile.table import MAX_INTEGER, Table, bad
-from hypha.jobfile.task import check_task, task_defaults, task_key, task_table
+from hypha.jobfile.task import check_task, task_defaults, task_table
 from hypha.v1 import common_pb2
 
 #: Largest job file accepted, in bytes (a job file is configuration, not data).
@@ -147,11 +154,11 @@ def parse_job_table(data: Any, path: str = "job", *, kind: str | None = None) ->
     elif kind == "inference":
         spec.inference.CopyFrom(inference_table(table))
         table.done()
-        check_inference(spec.inference, inference_key(path))
+        check_inference(spec.inference, resources_key(path))
     else:
         spec.task.CopyFrom(task_table(table))
         table.done()
-        check_task(spec.task, task_key(path))
+        check_task(spec.task, resources_key(path))
     return spec
 
 

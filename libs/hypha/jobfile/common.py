@@ -9,7 +9,7 @@ its own keys.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hypha.errors import InvalidArgumentError
@@ -57,6 +57,18 @@ class Defaults:
     MAX_ATTEMPTS = 3
     BACKOFF_BASE_S = 2.0
     BACKOFF_CAP_S = 60.0
+
+
+def resources_key(path: str) -> Callable[[str], str]:
+    """The job file key to name for a spec field of a task or inference job under ``path``:
+    the spec's ``requirements`` are the file's ``resources``."""
+
+    def key(field: str) -> str:
+        if field.startswith("requirements"):
+            return f"{path}.resources"
+        return f"{path}.{field}"
+
+    return key
 
 
 def read_model(t: Table) -> common_pb2.ModelSpec:
@@ -180,4 +192,5 @@ __all__ = [
     "read_model",
     "read_price",
     "read_requirements",
+    "resources_key",
 ]

@@ -90,15 +90,6 @@ def inference_defaults(spec: common_pb2.InferenceJobSpec) -> None:
     spec.model_bundle_sha256 = ""  # the scheduler sets it at dispatch, never a submitter
 
 
-def inference_key(path: str) -> Callable[[str], str]:
-    def key(field: str) -> str:
-        if field.startswith("requirements"):
-            return f"{path}.resources"
-        return f"{path}.{field}"
-
-    return key
-
-
 def check_inference(spec: common_pb2.InferenceJobSpec, key: Callable[[str], str]) -> None:
     """The checks shared by job files and structured submissions; errors name the key to fix."""
     m = spec.model
@@ -139,6 +130,5 @@ __all__ = [
     "MAX_NEW_TOKENS",
     "check_inference",
     "inference_defaults",
-    "inference_key",
     "inference_table",
 ]

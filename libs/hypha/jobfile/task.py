@@ -84,15 +84,6 @@ def task_defaults(t: common_pb2.TaskJobSpec) -> None:
         t.retry.backoff_cap_s = t.retry.backoff_cap_s or max(Defaults.BACKOFF_CAP_S, t.retry.backoff_base_s)
 
 
-def task_key(path: str) -> Callable[[str], str]:
-    def key(field: str) -> str:
-        if field.startswith("requirements"):
-            return f"{path}.resources"
-        return f"{path}.{field}"
-
-    return key
-
-
 def check_task(t: common_pb2.TaskJobSpec, key: Callable[[str], str]) -> None:
     if not t.command.strip():
         raise bad(key("command"), "missing (required)")
@@ -119,4 +110,4 @@ def check_task(t: common_pb2.TaskJobSpec, key: Callable[[str], str]) -> None:
         raise bad(key("retry.backoff_cap_s"), "must be at least backoff_base_s")
 
 
-__all__ = ["check_task", "task_defaults", "task_key", "task_table"]
+__all__ = ["check_task", "task_defaults", "task_table"]
