@@ -128,6 +128,29 @@ async def test_the_run_loop_matches_torch_sgd_nesterov_and_publishes_the_result(
     assert [m[2]["samples"] for m in network.metrics] == [72.0, 56.0, 56.0]
 
 
+async def test_a_failed_local_checkpoint_fails_the_server_before_its_update_goes_out(
+    tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The local checkpoint is written beside the state's publication and commit; both must
+    # be durable before the round's update leaves, so a disk that refuses it stops the round.
+    def full_disk(directory: object, core: object) -> Path:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save", full_disk)
+    network = _network(tmp_path, vit_dir)
+    ps = _server(network, FakeClock(50.0))
+    task = asyncio.ensure_future(ps.run())
+    for i, peer in enumerate(TRAINERS):
+        network.deliver(peer, "ps", "delta", 0, SAMPLES[0][peer], encode_state(_delta(theta0, i)))
+
+    assert await asyncio.wait_for(task, 30) == 1
+
+    assert ("ps", "update", 0) not in network.published
+    assert ("ps", "global", 1) not in network.published
+    (state, message) = network.statuses["ps"][-1]
+    assert state == "failed" and "No space left on device" in message
+
+
 async def test_a_restarted_server_resumes_identical_state_and_republishes(
     tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
 ) -> None:
