@@ -1,10 +1,12 @@
 """Shared scaffolding for benchmarks (ARCHITECTURE §11): a throwaway PKI,
-percentiles, and the one-JSON-line result every benchmark prints last.
+percentiles, the one-JSON-line result every benchmark prints last, and child
+processes for benchmarks that run their nodes as deployed.
 
 Benchmarks import harness code only from here and ``hypha.testing``, never from ``tests``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import tempfile
@@ -62,3 +64,43 @@ def report_sweep(name: str, unit: str, size_name: str, points: list[dict[str, An
         sweep={"size": size_name, "points": points},
         **extra,
     )
+
+
+class Child:
+    """A child process this benchmark started; ``stop()`` ends it (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, name: str, proc: asyncio.subprocess.Process, log: Path | None = None) -> None:
+        self.name = name
+        self.proc = proc
+        self.log = log
+
+    def tail(self, lines: int = 40) -> str:
+        if self.log is None or not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    async def stop(self) -> None:
+        if self.proc.returncode is not None:
+            return
+        self.proc.terminate()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 10)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+async def start_child(name: str, *argv: str, timeout_s: float = 60.0) -> tuple[Child, bytes]:
+    """Start ``argv`` with its stdout piped; the child and the first line it prints (it prints
+    one once it serves). A child that prints nothing in time is stopped and reported."""
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
+    child = Child(name, proc)
+    assert proc.stdout is not None
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout_s)
+    except TimeoutError:
+        line = b""
+    if not line.strip():
+        await child.stop()
+        raise RuntimeError(f"{name} process did not start (exit code {proc.returncode})")
+    return child, line

@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from _common import median, report, report_sweep, sizes_arg, temp_pki
+from _common import Child, median, report, report_sweep, sizes_arg, start_child, temp_pki
 
 if TYPE_CHECKING:
     import grpc
@@ -151,30 +151,6 @@ async def serve_source(pki_dir: Path, name: str, gateway: str, size: int) -> Non
         await server.stop(0)
 
 
-class Child:
-    """A child process this benchmark started; ``stop()`` ends it (SIGTERM, then SIGKILL)."""
-
-    def __init__(self, name: str, proc: asyncio.subprocess.Process, log: Path | None = None) -> None:
-        self.name = name
-        self.proc = proc
-        self.log = log
-
-    def tail(self, lines: int = 40) -> str:
-        if self.log is None or not self.log.exists():
-            return ""
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    async def stop(self) -> None:
-        if self.proc.returncode is not None:
-            return
-        self.proc.terminate()
-        try:
-            await asyncio.wait_for(self.proc.wait(), 10)
-        except TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
-
-
 async def start_gateway(pki: Pki, workdir: Path, name: str, peers: list[str]) -> tuple[Child, str]:
     """``hypha-gateway init`` then ``hypha-gateway run``, as an operator does; returns the
     process and its address once its ready file is written."""
@@ -220,20 +196,12 @@ async def start_gateway(pki: Pki, workdir: Path, name: str, peers: list[str]) ->
 async def start_source(pki: Pki, name: str, gateway: str, size: int) -> tuple[Child, dict[str, str]]:
     """``relay.py --serve-source``; returns the process and its first stdout line (address, peer id)."""
     pki.issue("worker", name)
-    proc = await asyncio.create_subprocess_exec(
+    child, line = await start_child(
+        name,
         *[sys.executable, __file__, "--serve-source", "--pki", str(pki.dir), "--name", name],
         *["--gateway", gateway, "--payload", str(size)],
-        stdout=asyncio.subprocess.PIPE,
+        timeout_s=START_TIMEOUT_S,
     )
-    child = Child(name, proc)
-    assert proc.stdout is not None
-    try:
-        line = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)
-    except TimeoutError:
-        line = b""
-    if not line.strip():
-        await child.stop()
-        raise RuntimeError(f"source process did not start (exit code {proc.returncode})")
     info: dict[str, str] = json.loads(line)
     return child, info
 

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import median, report, temp_pki
+from _common import Child, median, report, start_child, temp_pki
 
 MB = 1024 * 1024
 
@@ -164,27 +164,6 @@ def serve_raw(pki_dir: Path, size: int) -> None:
     signal.sigwait({signal.SIGTERM})
 
 
-async def _child(*args: str) -> tuple[asyncio.subprocess.Process, bytes]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, *args, stdout=asyncio.subprocess.PIPE
-    )
-    assert proc.stdout is not None
-    line = await asyncio.wait_for(proc.stdout.readline(), 120)
-    if not line.strip():
-        raise RuntimeError(f"{args[0]} process did not start (exit code {proc.returncode})")
-    return proc, line
-
-
-async def _stop(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-
-
 async def main(quick: bool, one_process: bool) -> None:
     import torch
 
@@ -200,7 +179,7 @@ async def main(quick: bool, one_process: bool) -> None:
     scratch = tempfile.TemporaryDirectory(prefix="hypha-transfer-")  # the 100 MB file goes with it
     path = Path(scratch.name) / "delta.safetensors"
     path.write_bytes(data)
-    children: list[asyncio.subprocess.Process] = []
+    children: list[Child] = []
     receiver: Any = None
     server: Any = None
     try:
@@ -216,11 +195,12 @@ async def main(quick: bool, one_process: bool) -> None:
             raw_port = port[0]
         else:
             digest = hashlib.sha256(data).hexdigest()
-            proc, line = await _child("--serve-receiver", "--pki", str(pki.dir), "--sha256", digest)
-            children.append(proc)
+            here = (sys.executable, __file__, "--pki", str(pki.dir))
+            rx, line = await start_child("receiver", *here, "--serve-receiver", "--sha256", digest)
+            children.append(rx)
             info = json.loads(line)
             address, peer_id = info["address"], info["peer_id"]
-            raw, line = await _child("--serve-raw", "--pki", str(pki.dir), "--size", str(len(data)))
+            raw, line = await start_child("raw TLS receiver", *here, "--serve-raw", "--size", str(len(data)))
             children.append(raw)
             raw_port = int(line)
         connector = _Connector(pki.tls("worker"), address)
@@ -240,8 +220,8 @@ async def main(quick: bool, one_process: bool) -> None:
                 got.release()
             elapsed = time.perf_counter() - start
             if check and receiver is None:
-                assert children[0].stdout is not None
-                verdict = await asyncio.wait_for(children[0].stdout.readline(), 60)
+                assert children[0].proc.stdout is not None
+                verdict = await asyncio.wait_for(children[0].proc.stdout.readline(), 60)
                 assert verdict.strip() == b"checked", verdict.decode(errors="replace")
             return len(data) / MB / elapsed
 
@@ -256,7 +236,7 @@ async def main(quick: bool, one_process: bool) -> None:
         if server is not None:
             await server.stop(0)
         for child in children:
-            await _stop(child)
+            await child.stop()
         scratch.cleanup()
     figure, base = median(ours_runs), median(raw_runs)
     report(

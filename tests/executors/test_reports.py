@@ -40,17 +40,19 @@ async def test_one_report_in_flight_and_its_answer_or_failure_comes_between_batc
 
     assert pipe.send(1, lambda: report(1))
     assert not pipe.send(2, lambda: report(2))  # still out: this one is skipped
-    await asyncio.sleep(0)  # the report leaves
     assert pipe.answer() is None  # not answered yet
     release.set()
     assert await pipe.settle() == Answer(K.SYNC_AFTER, 3, reported=1)
     assert sent == [1]
 
+    refusing = asyncio.Event()
+
     async def refused() -> tuple[DirectiveKind, int]:
+        refusing.set()  # the report's task ends in this same step, before the test resumes
         raise PermissionDeniedError("not your job")
 
     assert pipe.send(4, refused)
-    await asyncio.sleep(0)
+    await refusing.wait()
     with pytest.raises(PermissionDeniedError):
         pipe.answer()
     assert pipe.answer() is None and await pipe.settle() is None  # nothing left in flight

@@ -285,15 +285,9 @@ async def feed_off_loop(assembler: ChunkAssembler, chunk: common_pb2.Chunk) -> N
     A cancelled caller waits for the thread to finish its chunk (a thread cannot be
     stopped), so an ``abort()`` that follows never races a write to the spool file.
     """
-    if len(chunk.data) < _THREAD_FEED_BYTES or assembler.state is not AssemblyState.RECEIVING:
-        assembler.feed(chunk)
-        return
-    fed = asyncio.ensure_future(asyncio.to_thread(assembler.feed, chunk))
-    try:
-        await asyncio.shield(fed)
-    except asyncio.CancelledError:
-        await asyncio.wait([fed])
-        raise
+    feeder = ChunkFeeder(assembler)
+    await feeder.feed(chunk)
+    await feeder.flush()
 
 
 class ChunkFeeder:
