@@ -6,8 +6,9 @@ TLS socket moving the same bytes with the same certificates, in the same run.
 Ours: a real data node (``DataNodeServicer`` on a ``NodeServer``) in a child process; readers
 call ``StreamSlice`` and put each slice back together with ``ChunkAssembler`` (which checks the
 sha256), one channel per reader, slices requested one after another. That is the whole path a
-worker pays for: the server reads and hashes the slice file, cuts 1 MiB chunks, gRPC carries
-them, the reader hashes again.
+worker pays for: the server reads and hashes the slice file (whole on its first stream, as it
+reads on later ones), cuts 1 MiB chunks, gRPC carries them, the reader hashes again, one chunk
+behind the wire (``ChunkFeeder``).
 
 Baseline: a child process serving the same slice files over Python ``ssl`` sockets (TLS with
 client certificates from the same PKI, one persistent connection per reader, a length prefix
@@ -140,7 +141,7 @@ class Child:
 
 
 async def _ours_round(channels: list[Any], plan: list[list[int]]) -> float:
-    from hypha.tensors.chunks import ChunkAssembler, feed_off_loop
+    from hypha.tensors.chunks import ChunkAssembler, ChunkFeeder
     from hypha.v1 import data_pb2, data_pb2_grpc
 
     async def reader(channel: Any, indices: list[int]) -> int:
@@ -148,10 +149,12 @@ async def _ours_round(channels: list[Any], plan: list[list[int]]) -> float:
         total = 0
         for index in indices:
             assembler = ChunkAssembler(max_bytes=64 * MIB)
+            feeder = ChunkFeeder(assembler)  # as the worker's SliceFetcher does
             async for chunk in stub.StreamSlice(
                 data_pb2.StreamSliceRequest(dataset=DATASET, index=index), timeout=60
             ):
-                await feed_off_loop(assembler, chunk)  # as the worker's SliceFetcher does
+                await feeder.feed(chunk)
+            await feeder.flush()
             total += len(assembler.finish())
         return total
 

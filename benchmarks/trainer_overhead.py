@@ -14,6 +14,8 @@ Ours, two ways, each a full DiLoCo job of R rounds x H batches with a parameter 
   go through the bridge into the work dir, progress is reported after every batch, Δ goes out
   and θ_global comes back through the bridge each round, and the trainer checkpoints each round.
 - ``fake``: the same trainer loop in this process over the in-process fake bridge.
+- ``overlap_sync``: ``real`` with the job's ``overlap_sync = true`` (training goes on while the
+  round's Δ and update travel; ``overlap_sync_ratio``).
 Throughput is measured between the first and the last progress report (so process start and
 model loading are excluded, the syncs between rounds are included).
 
@@ -162,8 +164,8 @@ def main(quick: bool, profile: Path | None = None, scheduler_rtt_ms: float = 0.0
         synthetic.arithmetic(SAMPLES_PER_SLICE * 8, seed=1), base / "data", "arith", SAMPLES_PER_SLICE
     )
 
-    def network(name: str) -> Any:
-        return FakeNetwork(
+    def network(name: str, overlap: bool = False) -> Any:
+        net = FakeNetwork(
             progress_delay_s=scheduler_rtt_ms / 1e3,
             spec=diloco_spec(rounds=rounds, inner_lr=lr),
             root=base / name,
@@ -173,6 +175,8 @@ def main(quick: bool, profile: Path | None = None, scheduler_rtt_ms: float = 0.0
             slices={"t0": slices},
             policy=sync_every({"t0": per_round}),
         )
+        net.spec.diloco.overlap_sync = overlap
+        return net
 
     if profile is not None:  # one real run with the trainer's process under pyinstrument
         profile.mkdir(parents=True, exist_ok=True)
@@ -180,15 +184,18 @@ def main(quick: bool, profile: Path | None = None, scheduler_rtt_ms: float = 0.0
         print(f"profiled real run: {sps:.1f} samples/s, batch {step * 1e3:.1f} ms; {profile / 'trainer.txt'}")
         return
     real: list[tuple[float, float]] = []
+    overlapped: list[tuple[float, float]] = []
     fake: list[tuple[float, float]] = []
     bare: list[tuple[float, float]] = []
     for i in range(repeats):
         bare.append(_run_bare(model_dir, slices, rounds * per_round, lr))
         fake.append(asyncio.run(_run_fake(network(f"fake-{i}"))))
         real.append(asyncio.run(_run_real(network(f"real-{i}"))))
+        overlapped.append(asyncio.run(_run_real(network(f"overlap-{i}", overlap=True))))
 
     real_sps, bare_sps = median([r[0] for r in real]), median([b[0] for b in bare])
     fake_sps = median([f[0] for f in fake])
+    overlap_sps = median([o[0] for o in overlapped])
     real_step, bare_step = median([r[1] for r in real]), median([b[1] for b in bare])
     report(
         "trainer_overhead",
@@ -199,10 +206,12 @@ def main(quick: bool, profile: Path | None = None, scheduler_rtt_ms: float = 0.0
         overhead_pct=round((1 - real_sps / bare_sps) * 100, 2),
         real_samples_per_s=[round(r[0], 1) for r in real],
         fake_samples_per_s=[round(f[0], 1) for f in fake],
+        overlap_sync_samples_per_s=[round(o[0], 1) for o in overlapped],
         bare_samples_per_s=[round(b[0], 1) for b in bare],
         # Each repeat runs bare, fake and real back to back: the ratio within a repeat shares its load.
         paired_ratio=round(median([r[0] / b[0] for r, b in zip(real, bare, strict=True)]), 4),
         fake_ratio=round(fake_sps / bare_sps, 4),
+        overlap_sync_ratio=round(overlap_sps / bare_sps, 4),
         steady_ratio=round(bare_step / real_step, 4),
         batch_ms_real=round(real_step * 1e3, 2),
         batch_ms_bare=round(bare_step * 1e3, 2),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -122,8 +121,6 @@ def test_reading_a_rotted_slice_is_data_loss(dataset: Dataset) -> None:
     # Execute / Assert
     with pytest.raises(DataLossError, match="sha256"):
         dataset.read_slice_bytes(1)
-    with pytest.raises(DataLossError):
-        dataset.iter_slice_chunks(1)  # refused before any chunk exists
     assert dataset.verify() == [1]
     assert dataset.read_slice_bytes(0) == dataset.slice_path(0).read_bytes()
 
@@ -133,33 +130,7 @@ def test_bad_slice_index_is_out_of_range(dataset: Dataset, index: int) -> None:
     with pytest.raises(OutOfRangeError):
         dataset.read_slice_bytes(index)
     with pytest.raises(OutOfRangeError):
-        dataset.iter_slice_chunks(index)
-    with pytest.raises(OutOfRangeError):
         dataset.slice_path(index)
-
-
-def test_offset_beyond_the_slice_is_out_of_range(dataset: Dataset) -> None:
-    with pytest.raises(OutOfRangeError):
-        dataset.iter_slice_chunks(0, offset=dataset.slice_size(0) + 1)
-    with pytest.raises(OutOfRangeError):
-        dataset.iter_slice_chunks(0, offset=-1)
-
-
-@pytest.mark.parametrize("chunk_size", [1, 7, 100, 1 << 20])
-@pytest.mark.parametrize("offset", [0, 1, 50])
-def test_chunks_reassemble_the_slice_from_any_offset(dataset: Dataset, chunk_size: int, offset: int) -> None:
-    # Execute
-    chunks = list(dataset.iter_slice_chunks(0, chunk_size=chunk_size, offset=offset))
-
-    # Assert
-    whole = dataset.slice_path(0).read_bytes()
-    assert b"".join(chunks) == whole[offset:]
-    assert all(0 < len(c) <= chunk_size for c in chunks)
-    assert hashlib.sha256(whole).hexdigest() == dataset.slice_sha256(0)
-
-
-def test_offset_at_the_end_yields_nothing(dataset: Dataset) -> None:
-    assert list(dataset.iter_slice_chunks(0, offset=dataset.slice_size(0))) == []
 
 
 def test_scan_skips_broken_and_temp_dirs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

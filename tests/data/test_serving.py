@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from hypha.data.servicer import DataNodeServicer, DatasetCatalog
+from hypha.data.slices import FileStamp
 from hypha.datasets.format import CONTENT_TYPE, Dataset
 from hypha.datasets.prepare import write_dataset
 from hypha.net.channel import secure_channel
@@ -175,6 +177,44 @@ async def test_corrupt_slice_is_refused_with_data_loss_and_not_one_byte(
     assert servicer.stats["refused_corrupt"] == 1
     assert "toy slice 3" in caplog.text
     assert b"".join(c.data for c in intact) == toy.slice_path(2).read_bytes()  # others still served
+
+
+async def test_rot_found_while_streaming_withholds_the_last_chunk_and_the_next_stream_is_refused(
+    pki: Pki, toy: Dataset
+) -> None:
+    async with (
+        data_node(pki.tls("data"), toy.root.parent) as (server, servicer),
+        secure_channel(pki.tls("worker"), server.address) as channel,
+    ):
+        stub = data_pb2_grpc.DataNodeStub(channel)
+        await stream(pki.tls("worker"), server.address, "toy", 3)  # checked whole: known good
+        # Prepare: rot that the file's stat cannot show (its new stamp recorded as verified)
+        path = toy.slice_path(3)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+        servicer.verified.record(str(path), FileStamp.of(os.stat(path)))
+
+        # Execute: hashed as it is sent, so the bytes go out until the last chunk
+        received: list[common_pb2.Chunk] = []
+        with pytest.raises(grpc.aio.AioRpcError) as during:
+            async for chunk in stub.StreamSlice(
+                data_pb2.StreamSliceRequest(dataset="toy", index=3), timeout=5
+            ):
+                received.append(chunk)
+        again: list[common_pb2.Chunk] = []
+        with pytest.raises(grpc.aio.AioRpcError) as after:
+            async for chunk in stub.StreamSlice(
+                data_pb2.StreamSliceRequest(dataset="toy", index=3), timeout=5
+            ):
+                again.append(chunk)
+
+    # Assert: no stream ever carried the verdict, the next one was refused before any byte
+    assert during.value.code() == grpc.StatusCode.DATA_LOSS
+    assert received and not any(c.last or c.sha256 for c in received)
+    assert sum(len(c.data) for c in received) < toy.slice_size(3)
+    assert after.value.code() == grpc.StatusCode.DATA_LOSS and again == []
+    assert servicer.stats["refused_corrupt"] == 2
 
 
 @pytest.mark.parametrize(

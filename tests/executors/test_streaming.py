@@ -186,3 +186,51 @@ async def test_two_fragments_sync_half_the_model_each_overlapped_and_match_the_r
     assert set(decode_state(network.published[(network.ps_id, training.GLOBAL, rounds)].read_bytes())) == set(
         theta0
     )
+
+
+async def test_overlap_sync_keeps_training_while_whole_model_rounds_travel(
+    tmp_path: Path, gpt2_dir: Path, slices: dict[str, list[Path]]
+) -> None:
+    # Prepare: whole-model rounds with overlap_sync; the server takes round r's deltas only once
+    # t0 trains in round r+1, which a trainer waiting for its update would never do.
+    rounds, batches = 3, {"t0": 2, "t1": 3}
+    network = FakeNetwork(
+        spec=diloco_spec(rounds=rounds, outer_lr=OUTER_LR, momentum=MOMENTUM),
+        root=tmp_path / "jobs",
+        model_dir=gpt2_dir,
+        trainer_ids=tuple(batches),
+        slices=slices,
+    )
+    network.spec.diloco.overlap_sync = True
+    network.policy = sync_every(batches)
+    progress = _Rounds()
+    ps_bridge = _GatedServerBridge(network, progress, waits_for="t0", last_round=rounds - 1)
+    ps = ParameterServer(ps_bridge, options=ServerOptions(poll_s=0.05, linger_s=0.0))
+    ps_bridge.server = ps
+    bridges = {peer: _TrainerBridge(network, peer, progress) for peer in batches}
+    options = TrainerOptions(fetch_timeout_s=10.0, update_patience_s=60.0)
+    trainers = {peer: DilocoTrainer(b, options=options) for peer, b in bridges.items()}
+
+    # Execute
+    codes = await asyncio.wait_for(asyncio.gather(ps.run(), *(t.run() for t in trainers.values())), 120)
+
+    # Assert: every round's delta is the whole model, θ_global is plain DiLoCo's outer step over
+    # the deltas sent, and each trainer ends on it (its last update landed after its last step).
+    assert list(codes) == [0, 0, 0]
+    theta0 = training.parameter_state(
+        models.build_model(common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_CAUSAL_LM), gpt2_dir)
+    )
+    for r in range(rounds):
+        assert {s.sender for s in network.deltas(r)} == set(batches), r
+        assert all(set(decode_state(s.data)) == set(theta0) for s in network.deltas(r)), r
+    expected = _reference(theta0, [list(theta0)], network, rounds)
+    assert ps.core is not None and ps.core.fragments is None
+    theta_global = ps.core.outer.parameters()
+    for name, value in expected.items():
+        assert torch.allclose(theta_global[name], value, atol=1e-6), name
+    for trainer in trainers.values():
+        assert trainer.model is not None
+        params = dict(trainer.model.named_parameters())
+        assert all(torch.equal(params[n].detach(), theta_global[n]) for n in theta0)
+    samples = {peer: [s.samples for s in network.deltas() if s.sender == peer] for peer in batches}
+    assert samples == {"t0": [16, 16, 16], "t1": [24, 24, 24]}

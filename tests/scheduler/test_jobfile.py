@@ -144,6 +144,11 @@ def test_job_table_gets_defaults_for_what_it_leaves_out() -> None:
         DILOCO.replace("max_batch_size = 16", "max_batch_size = 16\nstreaming_fragments = 4")
     )
     assert streaming.diloco.streaming_fragments == 4
+    assert not d.overlap_sync
+    overlapped = parse_job_toml(
+        DILOCO.replace("max_batch_size = 16", "max_batch_size = 16\noverlap_sync = true")
+    )
+    assert overlapped.diloco.overlap_sync
     assert d.worker_price.bid == 0 and d.worker_price.max == 0  # 0: the scheduler's default
 
 

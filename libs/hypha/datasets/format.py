@@ -21,7 +21,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -369,22 +369,6 @@ class Dataset:
             raise DataLossError(f"dataset {self.name}: slice {index} ({path.name}) fails its sha256 check")
         return data
 
-    def iter_slice_chunks(
-        self, index: int, chunk_size: int = DEFAULT_CHUNK_SIZE, offset: int = 0
-    ) -> Iterator[bytes]:
-        """Chunks of a verified slice starting at ``offset`` (to resume a broken
-        stream). The file is read and checked before this returns, so errors
-        surface before a server sends its first chunk; ``offset`` equal to the
-        size gives no chunks."""
-        if chunk_size < 1:
-            raise InvalidArgumentError(f"chunk_size must be >= 1, got {chunk_size}")
-        self._check_index(index)
-        size = self.manifest.slice_bytes[index]
-        if not 0 <= offset <= size:
-            raise OutOfRangeError(f"dataset {self.name}: offset {offset} outside slice {index} (0..{size})")
-        data = self.read_slice_bytes(index)
-        return _chunks(memoryview(data), chunk_size, offset)
-
     def load_slice(self, index: int) -> dict[str, torch.Tensor]:
         return load_slice_tensors(self.read_slice_bytes(index))
 
@@ -397,11 +381,6 @@ class Dataset:
             except DataLossError:
                 bad.append(index)
         return bad
-
-
-def _chunks(view: memoryview, chunk_size: int, offset: int) -> Iterator[bytes]:
-    for start in range(offset, len(view), chunk_size):
-        yield bytes(view[start : start + chunk_size])
 
 
 def load_slice_tensors(data: bytes) -> dict[str, torch.Tensor]:

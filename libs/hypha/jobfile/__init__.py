@@ -23,6 +23,7 @@ DiLoCo job::
     delta_dtype = "fp32"                 # fp32 | bf16 | fp16 | int8 (block-wise, error feedback)
     delta_topk = 0.0                     # fraction of each delta's entries sent; 0: all
     streaming_fragments = 0              # F >= 2: each round syncs 1/F of the model (streaming)
+    overlap_sync = false                 # whole-model rounds: keep training while the sync travels
     quorum = 0.5                         # fraction of trainers that completes a late round
     round_timeout_s = 300
     selection_policy = ""                # "": the scheduler's default

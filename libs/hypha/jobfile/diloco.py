@@ -75,6 +75,7 @@ def diloco_table(table: Table) -> common_pb2.DilocoJobSpec:
     d.delta_dtype = DELTA_DTYPES[dtype]
     d.delta_topk = table.number("delta_topk", 0.0)
     d.streaming_fragments = table.integer("streaming_fragments", 0)
+    d.overlap_sync = table.boolean("overlap_sync", False)
     d.quorum = table.number("quorum", Defaults.QUORUM)
     d.round_timeout_s = table.number("round_timeout_s", Defaults.ROUND_TIMEOUT_S)
     d.selection_policy = table.string("selection_policy")

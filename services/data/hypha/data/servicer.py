@@ -1,12 +1,15 @@
 """The DataNode gRPC service: which datasets this node has, and their slices as verified chunk streams.
 
-A slice is read and checked against its manifest sha256 *before* the first
-chunk leaves (``Dataset.iter_slice_chunks`` does both), so a slice that rotted
-on disk is refused with ``DATA_LOSS`` and not one of its bytes is sent. Reads
-and hashing run in worker threads (``asyncio.to_thread``) so several readers
-are served in parallel and the event loop keeps answering while a large slice
-is hashed. The number of slices held in memory at once is bounded by
-``max_concurrent_streams``; a caller that cannot get a slot within
+Every stream is checked against the slice's manifest sha256 (``SliceReader``,
+hypha.data.slices): a file served for the first time, or changed since, is
+hashed whole before its first chunk leaves, so a slice that rotted on disk is
+refused with ``DATA_LOSS`` and not one of its bytes is sent; a file that
+passed before is hashed as it is read, one chunk ahead of the wire, and its
+last chunk is withheld if the bytes no longer match. Reads and hashing run in
+worker threads (``asyncio.to_thread``) so several readers are served in
+parallel and the event loop keeps answering while a large slice is hashed.
+The number of streams at once (and so the slices held in memory) is bounded
+by ``max_concurrent_streams``; a caller that cannot get a slot within
 ``stream_wait_s`` gets ``RESOURCE_EXHAUSTED`` (retryable), never an unbounded
 queue.
 
@@ -24,12 +27,13 @@ import asyncio
 import logging
 import os
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 
 import grpc
 
+from hypha.data.slices import SliceReader, VerifiedFiles
 from hypha.datasets.format import CONTENT_TYPE, DEFAULT_CHUNK_SIZE, MANIFEST_NAME, Dataset, scan_data_dir
 from hypha.errors import DataLossError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from hypha.net.auth import peer_identity
@@ -139,6 +143,8 @@ class DataNodeServicer(data_pb2_grpc.DataNodeServicer):
         self.stream_wait_s = stream_wait_s
         self.chunk_hook = chunk_hook
         self._slots = asyncio.Semaphore(max_concurrent_streams)
+        #: Slice files that passed a whole check; their next streams are hashed as they go.
+        self.verified = VerifiedFiles()
         #: Counters: streams started/completed, bytes sent, slices refused as corrupt, busy refusals.
         self.stats: Counter[str] = Counter()
 
@@ -156,8 +162,9 @@ class DataNodeServicer(data_pb2_grpc.DataNodeServicer):
         dataset = await self.catalog.get(request.dataset)
         index, offset = request.index, request.offset
         async with self._slot(dataset.name, index):
+            reader = SliceReader(dataset, index, self.chunk_bytes, offset, self.verified)
             try:
-                pieces = await asyncio.to_thread(dataset.iter_slice_chunks, index, self.chunk_bytes, offset)
+                await asyncio.to_thread(reader.open)
             except DataLossError as err:
                 self.stats["refused_corrupt"] += 1
                 log.error("refusing to serve %s slice %d: %s", dataset.name, index, err.message)
@@ -171,17 +178,23 @@ class DataNodeServicer(data_pb2_grpc.DataNodeServicer):
                     offset,
                     peer_identity(context).peer_id,
                 )
-            for chunk in _chunk_messages(dataset, index, offset, pieces):
-                if self.chunk_hook is not None:
-                    await self.chunk_hook(dataset.name, index, chunk)
-                self.stats["bytes"] += len(chunk.data)
-                yield chunk
+            try:
+                async with aclosing(_chunk_messages(dataset, index, offset, reader)) as chunks:
+                    async for chunk in chunks:
+                        if self.chunk_hook is not None:
+                            await self.chunk_hook(dataset.name, index, chunk)
+                        self.stats["bytes"] += len(chunk.data)
+                        yield chunk
+            except DataLossError as err:
+                self.stats["refused_corrupt"] += 1
+                log.error("stopped serving %s slice %d: %s", dataset.name, index, err.message)
+                raise
             self.stats["completed"] += 1
 
     @asynccontextmanager
     async def _slot(self, name: str, index: int) -> AsyncIterator[None]:
-        """Holds one of ``max_concurrent_streams`` slots for a whole stream: the verified slice
-        stays in memory until its last chunk is sent, so slots bound the memory in use."""
+        """Holds one of ``max_concurrent_streams`` slots for a whole stream: a stream holds a
+        whole slice (checked before it is sent) or two chunks, so slots bound the memory in use."""
         try:
             async with asyncio.timeout(self.stream_wait_s):
                 await self._slots.acquire()
@@ -197,9 +210,11 @@ class DataNodeServicer(data_pb2_grpc.DataNodeServicer):
             self._slots.release()
 
 
-def _chunk_messages(
-    dataset: Dataset, index: int, offset: int, pieces: Iterator[bytes]
-) -> Iterator[common_pb2.Chunk]:
+async def _chunk_messages(
+    dataset: Dataset, index: int, offset: int, reader: SliceReader
+) -> AsyncGenerator[common_pb2.Chunk, None]:
+    """The stream's chunks. The next one is read (and hashed) in a worker thread while the
+    caller sends this one; closing the generator waits for that read, then closes the reader."""
     size = dataset.slice_size(index)
     sha = dataset.slice_sha256(index)
     metadata = {
@@ -210,18 +225,27 @@ def _chunk_messages(
     }
     position = offset
     first = True
-    for data in pieces:
-        chunk = common_pb2.Chunk(offset=position, data=data)
-        position += len(data)
-        if first:
-            chunk.total_size = size
-            chunk.content_type = CONTENT_TYPE
-            chunk.metadata.update(metadata)
-            first = False
-        if position >= size:
-            chunk.last = True
-            chunk.sha256 = sha
-        yield chunk
+    pending = asyncio.ensure_future(asyncio.to_thread(reader.next_chunk))
+    try:
+        while (data := await pending) is not None:
+            pending = asyncio.ensure_future(asyncio.to_thread(reader.next_chunk))
+            chunk = common_pb2.Chunk(offset=position, data=data)
+            position += len(data)
+            if first:
+                chunk.total_size = size
+                chunk.content_type = CONTENT_TYPE
+                chunk.metadata.update(metadata)
+                first = False
+            if position >= size:
+                chunk.last = True
+                chunk.sha256 = sha
+            yield chunk
+    finally:
+        # A thread cannot be stopped: the read in flight finishes before the file is closed.
+        await asyncio.wait([pending])
+        if not pending.cancelled():
+            pending.exception()  # retrieved: the stream already ended for its own reason
+        reader.close()
     if first:  # resumed at the very end: nothing left but the verdict
         yield common_pb2.Chunk(
             offset=position,

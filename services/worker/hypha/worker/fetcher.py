@@ -55,7 +55,7 @@ from hypha.net.backoff import Backoff
 from hypha.net.channel import secure_channel
 from hypha.net.tls import TlsMaterial
 from hypha.service import Resource
-from hypha.tensors.chunks import ChunkAssembler, feed_off_loop
+from hypha.tensors.chunks import ChunkAssembler, ChunkFeeder
 from hypha.v1 import common_pb2, data_pb2, data_pb2_grpc
 from hypha.worker.pinned_manifests import PinnedManifests, PinnedProvider, common_pin
 
@@ -375,6 +375,7 @@ class SliceFetcher(Resource):
             timeout=self.stream_timeout_s,
         )
         first = True
+        feeder = ChunkFeeder(assembler)
         try:
             while True:
                 try:
@@ -385,6 +386,7 @@ class SliceFetcher(Resource):
                         f"no chunk for {self.chunk_timeout_s:g} s", drop_channel=True
                     ) from None
                 if chunk is grpc.aio.EOF:
+                    await feeder.settle()
                     raise _AttemptError(
                         f"stream ended after {assembler.received} bytes without its last chunk"
                     )
@@ -395,7 +397,10 @@ class SliceFetcher(Resource):
                 if chunk.last:
                     self._check_final_sha(chunk, partial, expected)
                 try:
-                    await feed_off_loop(assembler, chunk)
+                    # Chunk k is hashed (and spooled) in a thread while chunk k+1 comes off the wire.
+                    await feeder.feed(chunk)
+                    if chunk.last:
+                        await feeder.flush()
                 except HyphaError as err:
                     raise _AttemptError(f"refused the stream: {err.message}", keep_partial=False) from None
                 if assembler.complete:
@@ -411,6 +416,7 @@ class SliceFetcher(Resource):
         finally:
             if not call.done():
                 call.cancel()
+            await feeder.settle()  # the partial's byte count is final before a resume reads it
 
     @staticmethod
     def _check_version(chunk: common_pb2.Chunk, partial: _Partial, expected: str, offset: int) -> None:

@@ -23,7 +23,8 @@ One round, from the trainer's side:
 ``done``, or reaching the job's round count, ends the process with 0.
 
 Streaming (``streaming_fragments`` F >= 2, docs/compression.md): round r
-syncs fragment r mod F only. Its Δ (with the samples since the fragment's
+syncs fragment r mod F only; ``overlap_sync`` runs whole-model rounds the same
+way, as one fragment that is the whole model. Its Δ (with the samples since the fragment's
 last sync) leaves in a background task, which also waits for the fragment's
 new θ_global, while the trainer goes on with round r+1 (inner steps run in a
 thread so the exchange proceeds meanwhile). The update is merged between two
@@ -175,6 +176,7 @@ class DilocoTrainer:
 
     @property
     def streaming(self) -> bool:
+        """True when syncs run in the background (fragments, or one overlapped whole model)."""
         return self.fragments is not None
 
     async def run(self) -> int:
@@ -222,6 +224,9 @@ class DilocoTrainer:
         optimizer = make_inner_optimizer(model, InnerSettings.from_proto(spec.inner_optimizer))
         self._theta_global = parameter_state(model)
         self.fragments = fragments_for(self._theta_global, int(spec.streaming_fragments))
+        if self.fragments is None and spec.overlap_sync:
+            # Overlapped whole-model rounds: one fragment that is the whole model (module doc).
+            self.fragments = [list(self._theta_global)]
         self._unsynced_samples = [0] * len(self.fragments or ())
         checkpoint_dir = self.work_dir / "trainer-state"
         resumed = load_trainer_state(checkpoint_dir, model, optimizer)
