@@ -79,9 +79,22 @@ class Child:
             return ""
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
+    async def ask(self, line: str, timeout_s: float = 120.0) -> str:
+        """Write one command line to the child's stdin (``start_child(stdin=True)``), return the
+        line it answers with on stdout."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line.encode() + b"\n")
+        await self.proc.stdin.drain()
+        answer = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+        if not answer:
+            raise RuntimeError(f"{self.name} process ended (exit code {self.proc.returncode})")
+        return answer.decode().strip()
+
     async def stop(self) -> None:
         if self.proc.returncode is not None:
             return
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
         self.proc.terminate()
         try:
             await asyncio.wait_for(self.proc.wait(), 10)
@@ -90,10 +103,15 @@ class Child:
             await self.proc.wait()
 
 
-async def start_child(name: str, *argv: str, timeout_s: float = 60.0) -> tuple[Child, bytes]:
-    """Start ``argv`` with its stdout piped; the child and the first line it prints (it prints
-    one once it serves). A child that prints nothing in time is stopped and reported."""
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
+async def start_child(
+    name: str, *argv: str, timeout_s: float = 60.0, stdin: bool = False
+) -> tuple[Child, bytes]:
+    """Start ``argv`` with its stdout (and, with ``stdin``, its stdin) piped; the child and the
+    first line it prints (it prints one once it serves). A child that prints nothing in time is
+    stopped and reported."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.PIPE if stdin else None
+    )
     child = Child(name, proc)
     assert proc.stdout is not None
     try:

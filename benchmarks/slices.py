@@ -29,7 +29,6 @@ import signal
 import socket
 import ssl
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import median, report, temp_pki
+from _common import median, report, start_child, temp_pki
 
 MIB = 1024 * 1024
 DATASET = "bench"
@@ -109,32 +108,6 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
             return None
         got += k
     return bytes(buf)
-
-
-class Child:
-    """A server started as ``python benchmarks/slices.py --serve KIND``; its first stdout line is the port."""
-
-    def __init__(self, kind: str, pki_dir: Path, data_dir: Path) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", kind, "--pki", str(pki_dir), "--data", str(data_dir)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.strip():
-            self.stop()
-            raise RuntimeError(f"{kind} server did not start")
-        self.address = f"127.0.0.1:{int(line)}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
 
 # ---- readers ---------------------------------------------------------------------------------
@@ -224,15 +197,17 @@ async def main(quick: bool) -> None:
         DATASET,
         samples_per_slice=SAMPLES_PER_SLICE,
     )
-    ours_srv = Child("ours", pki.dir, work / "data")
+    serve = [sys.executable, __file__, "--pki", str(pki.dir), "--data", str(work / "data"), "--serve"]
+    ours_srv, ours_port = await start_child("ours", *serve, "ours")
     try:
-        raw_srv = Child("raw", pki.dir, work / "data")
+        raw_srv, raw_port = await start_child("raw", *serve, "raw")
     except BaseException:
-        ours_srv.stop()
+        await ours_srv.stop()
         raise
+    ours_address, raw_address = f"127.0.0.1:{int(ours_port)}", f"127.0.0.1:{int(raw_port)}"
     results: dict[str, list[float]] = {"ours_1": [], "ours_4": [], "raw_1": [], "raw_4": []}
-    channels = [secure_channel(pki.tls("worker"), ours_srv.address) for _ in range(4)]
-    socks = [_raw_connect(pki.dir, raw_srv.address) for _ in range(4)]
+    channels = [secure_channel(pki.tls("worker"), ours_address) for _ in range(4)]
+    socks = [_raw_connect(pki.dir, raw_address) for _ in range(4)]
     try:
         # Warm-up: connections, page cache, both servers' first-call paths.
         await _ours_round(channels, _plan(4, slices, 2))
@@ -249,8 +224,8 @@ async def main(quick: bool) -> None:
             await channel.close()
         for sock in socks:
             sock.close()
-        ours_srv.stop()
-        raw_srv.stop()
+        await ours_srv.stop()
+        await raw_srv.stop()
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(pki.dir.parent, ignore_errors=True)
     m = {key: median(values) for key, values in results.items()}
