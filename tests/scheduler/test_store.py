@@ -19,6 +19,7 @@ from hypha.jobfile import parse_job_toml
 from hypha.scheduler.config import JobsSection
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.records import REDACTED
+from hypha.scheduler.restart_recovery import recover
 from hypha.scheduler.sqlite_store import MAX_LINE_CHARS, SqliteJobStore
 from hypha.scheduler.store import JobStore, LogEntry, WorkerMetric
 from hypha.v1 import common_pb2
@@ -227,7 +228,7 @@ def test_recovery_after_a_crash_keeps_history_and_settles_running_jobs(tmp_path:
 
     # Execute: a new process opens the same database and recovers.
     store = SqliteJobStore(path)
-    report = store.recover(resumable=lambda job: job.job_id == ids["resumable_diloco"])
+    report = recover(store, resumable=lambda job: job.job_id == ids["resumable_diloco"])
 
     # Assert
     state = {name: store.get(job_id) for name, job_id in ids.items()}
@@ -248,7 +249,7 @@ def test_recovery_after_a_crash_keeps_history_and_settles_running_jobs(tmp_path:
     # The history from before the crash is all there, followed by the recovery.
     history = [e.state for e in store.events(ids["running_task"])]
     assert history == [P, A, R, P]
-    again = store.recover(resumable=lambda job: job.job_id == ids["resumable_diloco"])
+    again = recover(store, resumable=lambda job: job.job_id == ids["resumable_diloco"])
     assert again.failed == [] and again.requeued == []  # recovering twice settles nothing more
 
 
@@ -270,7 +271,7 @@ def test_a_diloco_job_that_saved_its_run_state_resumes_after_a_restart(tmp_path:
 
     # Execute: a new process opens the same database and recovers with the default policy.
     store = SqliteJobStore(path)
-    report = store.recover()
+    report = recover(store)
 
     # Assert: the saved one resumes with its state; the other fails; the finished one kept nothing.
     assert [j.job_id for j in report.resumed] == [saved.job_id]

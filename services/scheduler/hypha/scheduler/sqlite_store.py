@@ -24,38 +24,20 @@ Decisions (``NOTE``):
   (``scheduler.jobs.max_metric_rows``; a worker reports every round, so a
   long job would otherwise grow the table without end). The oldest go
   first, as for logs: a curve keeps its recent end.
-- **Durability**: WAL with ``synchronous=NORMAL``: a crash of the scheduler
-  process loses nothing committed; a power cut may lose the last
-  transactions (acceptable for job bookkeeping, and much faster).
+- **A run's own state is kept only while the job is active**
+  (``save_run_state``): it is what resuming the job after a restart needs
+  (``hypha.scheduler.restart_recovery``), and is removed when the job
+  reaches a terminal state.
 
-Recovery after a crash (``recover``), decided here once:
-
-- PENDING jobs stay PENDING and are handed back to be queued again.
-- Task jobs that were ALLOCATING go back to PENDING (no attempt was used).
-- Task jobs that were RUNNING: their workers lose their leases when nobody
-  renews them and kill the process, so the attempt is lost like a worker
-  loss. If the retry policy has attempts left the job is re-queued
-  (PENDING, reason says so); otherwise it FAILS with "scheduler restarted".
-- Other jobs (DiLoCo, inference) still ALLOCATING with no saved run state
-  never started: they go back to PENDING; the leases they held lapse on the
-  workers, nobody renewing them.
-- DiLoCo jobs that were RUNNING FAIL with "scheduler restarted
-  while the job was running", unless they can continue: by default, when
-  their run saved its state (``save_run_state``: leases, trainers, slice
-  assignments, round; ``hypha.scheduler.diloco_resume``), else as the
-  caller's ``resumable`` hook says. Such a job goes to ALLOCATING with reason
-  "resuming from round N" and the orchestrator resumes it: leases still held
-  are renewed, lost ones re-allocated.
-- A job's run state is removed when the job reaches a terminal state.
+The tables, their upgrades and durability are ``hypha.scheduler.sqlite_schema``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,96 +49,23 @@ from hypha.scheduler.records import (
     LogEntry,
     LogRecord,
     MetricRecord,
-    RecoveryReport,
     WorkerMetric,
     new_job_id,
+)
+from hypha.scheduler.sqlite_schema import (
+    EVENT_COLUMNS,
+    JOB_COLUMNS,
+    assignments,
+    check_changes,
+    connect,
+    event_from_row,
+    job_from_row,
+    transaction,
 )
 from hypha.v1 import common_pb2
 
 DB_NAME = "scheduler.db"
-SCHEMA_VERSION = 2
 MAX_LINE_CHARS = 8192
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id       TEXT PRIMARY KEY,
-    kind         TEXT NOT NULL,
-    name         TEXT NOT NULL DEFAULT '',
-    spec         BLOB NOT NULL,
-    state        TEXT NOT NULL,
-    reason       TEXT NOT NULL DEFAULT '',
-    created_at   REAL NOT NULL,
-    updated_at   REAL NOT NULL,
-    round        INTEGER NOT NULL DEFAULT 0,
-    loss         REAL NOT NULL DEFAULT 0,
-    workers      TEXT NOT NULL DEFAULT '[]',
-    attempt      INTEGER NOT NULL DEFAULT 0,
-    exit_code    INTEGER NOT NULL DEFAULT 0,
-    submitted_by TEXT NOT NULL DEFAULT '',
-    not_before   REAL NOT NULL DEFAULT 0,
-    result_path  TEXT NOT NULL DEFAULT ''
-);
-CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
-CREATE TABLE IF NOT EXISTS job_events (
-    seq      INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id   TEXT NOT NULL,
-    at       REAL NOT NULL,
-    kind     TEXT NOT NULL,
-    state    TEXT NOT NULL,
-    round    INTEGER NOT NULL DEFAULT 0,
-    loss     REAL NOT NULL DEFAULT 0,
-    message  TEXT NOT NULL DEFAULT '',
-    workers  TEXT NOT NULL DEFAULT '[]'
-);
-CREATE INDEX IF NOT EXISTS job_events_by_job ON job_events (job_id, seq);
-CREATE TABLE IF NOT EXISTS logs (
-    seq       INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id    TEXT NOT NULL,
-    at        REAL NOT NULL,
-    stream    TEXT NOT NULL,
-    line      TEXT NOT NULL,
-    worker_id TEXT NOT NULL DEFAULT '',
-    attempt   INTEGER NOT NULL DEFAULT 0,
-    worker_name TEXT NOT NULL DEFAULT '',
-    executor  TEXT NOT NULL DEFAULT ''
-);
-CREATE INDEX IF NOT EXISTS logs_by_job ON logs (job_id, seq);
-CREATE TABLE IF NOT EXISTS metrics (
-    job_id    TEXT NOT NULL,
-    round     INTEGER NOT NULL,
-    worker_id TEXT NOT NULL DEFAULT '',
-    name      TEXT NOT NULL,
-    value     REAL NOT NULL,
-    at        REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS metrics_by_job ON metrics (job_id, round);
-CREATE INDEX IF NOT EXISTS metrics_by_job_row ON metrics (job_id);
-CREATE TABLE IF NOT EXISTS worker_metrics (
-    job_id             TEXT NOT NULL,
-    worker_id          TEXT NOT NULL,
-    samples_per_second REAL NOT NULL,
-    samples            INTEGER NOT NULL,
-    loss               REAL NOT NULL,
-    batch_size         INTEGER NOT NULL,
-    updated_at         REAL NOT NULL,
-    PRIMARY KEY (job_id, worker_id)
-);
-CREATE TABLE IF NOT EXISTS run_state (
-    job_id     TEXT PRIMARY KEY,
-    data       TEXT NOT NULL,
-    updated_at REAL NOT NULL
-);
-"""
-
-#: Columns ``transition``/``update`` may change besides state and reason.
-_MUTABLE = frozenset({"round", "loss", "workers", "attempt", "exit_code", "not_before", "result_path"})
-_JOB_COLUMNS = (
-    "job_id, kind, spec, state, reason, created_at, updated_at, round, loss, workers, attempt, "
-    "exit_code, submitted_by, not_before, result_path"
-)
-
-
-# ---- the synchronous store ------------------------------------------------------------------
 
 
 class SqliteJobStore:
@@ -179,43 +88,10 @@ class SqliteJobStore:
         self.max_log_lines = max_log_lines
         self.max_events = max_events
         self.max_metric_rows = max_metric_rows
-        if str(path) != ":memory:":
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE in _tx).
-        self._db = sqlite3.connect(str(path), isolation_level=None, timeout=10.0, check_same_thread=False)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=10000")
-        with self._tx():
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise FailedPreconditionError(
-                    f"{self.path}: schema {version} is newer than this scheduler's ({SCHEMA_VERSION})"
-                )
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    self._db.execute(statement)
-            # Schema 1 stores (before logs named their worker and executor) gain the columns.
-            columns = {row[1] for row in self._db.execute("PRAGMA table_info(logs)")}
-            for column in ("worker_name", "executor"):
-                if column not in columns:
-                    self._db.execute(f"ALTER TABLE logs ADD COLUMN {column} TEXT NOT NULL DEFAULT ''")
-            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        self._db = connect(path)
 
     def close(self) -> None:
         self._db.close()
-
-    @contextlib.contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        """An immediate (write-locked) transaction: committed on success, rolled back on error."""
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
 
     # ---- jobs -----------------------------------------------------------------------------
 
@@ -226,7 +102,7 @@ class SqliteJobStore:
         if kind is None:
             raise InvalidArgumentError("spec.kind: missing: set diloco or task")
         now = self.clock()
-        with self._tx() as db:
+        with transaction(self._db) as db:
             for _ in range(5):
                 candidate = job_id or new_job_id()
                 try:
@@ -257,8 +133,8 @@ class SqliteJobStore:
         return self._get(self._db, job_id)
 
     def find(self, job_id: str) -> JobRecord | None:
-        row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
-        return None if row is None else _job(row)
+        row = self._db.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        return None if row is None else job_from_row(row)
 
     def list_jobs(
         self,
@@ -282,9 +158,9 @@ class SqliteJobStore:
             args.append(submitted_by)
         clause = f"WHERE {' AND '.join(where)}" if where else ""
         rows = self._db.execute(
-            f"SELECT {_JOB_COLUMNS} FROM jobs {clause} ORDER BY rowid DESC LIMIT ?", (*args, limit)
+            f"SELECT {JOB_COLUMNS} FROM jobs {clause} ORDER BY rowid DESC LIMIT ?", (*args, limit)
         ).fetchall()
-        return [_job(row) for row in reversed(rows)]
+        return [job_from_row(row) for row in reversed(rows)]
 
     def counts(self) -> dict[tuple[str, JobState], int]:
         """Number of jobs by (kind, state)."""
@@ -308,16 +184,16 @@ class SqliteJobStore:
         sets other columns in the same write (attempt, exit_code, workers,
         not_before, result_path, round, loss). ``reason`` None keeps the old one.
         """
-        _check_changes(changes)
+        check_changes(changes)
         now = self.clock()
-        with self._tx() as db:
+        with transaction(self._db) as db:
             current = self._get(db, job_id)
             if expected is not None and current.state is not expected:
                 raise FailedPreconditionError(
                     f"job {job_id} is {current.state.value}, not {expected.value} (changed concurrently)"
                 )
             transition(current.state, target, job_id)
-            sets, args = _assignments(changes)
+            sets, args = assignments(changes)
             new_reason = current.reason if reason is None else reason
             cursor = db.execute(
                 f"UPDATE jobs SET state = ?, reason = ?, updated_at = ?{sets} WHERE job_id = ? AND state = ?",
@@ -346,11 +222,11 @@ class SqliteJobStore:
         late report for a finished job). Progress events of the same round
         are coalesced: watchers see the latest one.
         """
-        _check_changes(changes)
+        check_changes(changes)
         metrics = tuple(worker_metrics)
         now = self.clock()
-        with self._tx() as db:
-            sets, args = _assignments(changes)
+        with transaction(self._db) as db:
+            sets, args = assignments(changes)
             allowed = [s.value for s in states]
             cursor = db.execute(
                 f"UPDATE jobs SET updated_at = ?{sets} WHERE job_id = ? "
@@ -384,7 +260,7 @@ class SqliteJobStore:
     def note(self, job_id: str, message: str) -> None:
         """An informational entry in the job's history (no state change)."""
         now = self.clock()
-        with self._tx() as db:
+        with transaction(self._db) as db:
             job = self._get(db, job_id)
             self._event(db, job_id, now, "info", job.state, job.round, job.loss, message)
 
@@ -392,24 +268,10 @@ class SqliteJobStore:
 
     def events(self, job_id: str, after: int = 0, limit: int = 1000) -> list[JobEventRecord]:
         rows = self._db.execute(
-            "SELECT seq, job_id, at, kind, state, round, loss, message, workers FROM job_events"
-            " WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+            f"SELECT {EVENT_COLUMNS} FROM job_events WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
             (job_id, after, limit),
         ).fetchall()
-        return [
-            JobEventRecord(
-                seq=row["seq"],
-                job_id=row["job_id"],
-                at=row["at"],
-                kind=row["kind"],
-                state=JobState(row["state"]),
-                round=row["round"],
-                loss=row["loss"],
-                message=row["message"],
-                workers=tuple(WorkerMetric.from_dict(w) for w in json.loads(row["workers"])),
-            )
-            for row in rows
-        ]
+        return [event_from_row(row) for row in rows]
 
     def last_event_seq(self, job_id: str) -> int:
         row = self._db.execute("SELECT MAX(seq) FROM job_events WHERE job_id = ?", (job_id,)).fetchone()
@@ -441,7 +303,7 @@ class SqliteJobStore:
         ]
         if not rows:
             return 0
-        with self._tx() as db:
+        with transaction(self._db) as db:
             if db.execute("SELECT 1 FROM jobs WHERE job_id = ?", (job_id,)).fetchone() is None:
                 raise NotFoundError(f"no such job: {job_id}")
             db.executemany(
@@ -470,7 +332,7 @@ class SqliteJobStore:
     ) -> None:
         """Append one round's figures and drop the job's oldest rows beyond ``max_metric_rows``."""
         now = self.clock()
-        with self._tx() as db:
+        with transaction(self._db) as db:
             db.executemany(
                 "INSERT INTO metrics (job_id, round, worker_id, name, value, at) VALUES (?, ?, ?, ?, ?, ?)",
                 [(job_id, round_, worker_id, name, float(value), now) for name, value in values.items()],
@@ -497,7 +359,7 @@ class SqliteJobStore:
         """Keep ``data`` (JSON-able) for an active job; False (nothing kept) when the job is over."""
         now = self.clock()
         active = (JobState.ALLOCATING.value, JobState.RUNNING.value)
-        with self._tx() as db:
+        with transaction(self._db) as db:
             row = db.execute("SELECT state FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
             if row is None:
                 raise NotFoundError(f"no such job: {job_id}")
@@ -515,69 +377,13 @@ class SqliteJobStore:
         row = self._db.execute("SELECT data FROM run_state WHERE job_id = ?", (job_id,)).fetchone()
         return None if row is None else dict(json.loads(row[0]))
 
-    # ---- restart --------------------------------------------------------------------------
-
-    def recover(self, resumable: Callable[[JobRecord], bool] | None = None) -> RecoveryReport:
-        """Settle jobs a previous scheduler process left mid-flight (policy in the module docstring).
-
-        ``resumable`` None: a DiLoCo job resumes when its run saved its state."""
-        if resumable is None:
-            resumable = self._has_run_state
-        report = RecoveryReport()
-        for job in self.list_jobs([JobState.ALLOCATING, JobState.RUNNING], limit=1_000_000):
-            restarted = Reason.SCHEDULER_RESTARTED.format(state=job.state.value)
-
-            def requeue(reason: str, job: JobRecord = job) -> None:
-                report.requeued.append(
-                    self.transition(
-                        job.job_id, JobState.PENDING, expected=job.state, reason=reason, not_before=0.0
-                    )
-                )
-
-            def fail(reason: str, job: JobRecord = job) -> None:
-                report.failed.append(
-                    self.transition(job.job_id, JobState.FAILED, expected=job.state, reason=reason)
-                )
-
-            if job.kind == "task":
-                if job.state is JobState.ALLOCATING:
-                    requeue("scheduler restarted before dispatch; re-queued")
-                elif job.attempt < job.max_attempts:
-                    requeue(
-                        Reason.REQUEUED_AFTER_RESTART.format(
-                            attempt=job.attempt + 1, max_attempts=job.max_attempts
-                        )
-                    )
-                else:
-                    fail(restarted + "; no retries left")
-            elif resumable(job):
-                reason = Reason.RESUMED_AFTER_RESTART.format(round=job.round)
-                if job.state is JobState.RUNNING:
-                    report.resumed.append(
-                        self.transition(
-                            job.job_id, JobState.ALLOCATING, expected=job.state, reason=reason, workers="[]"
-                        )
-                    )
-                else:
-                    self.note(job.job_id, reason)
-                    report.resumed.append(self.get(job.job_id))
-            elif job.state is JobState.ALLOCATING:
-                requeue(restarted + "; it had not started: re-queued")
-            else:
-                fail(restarted + "; DiLoCo jobs are not resumed")
-        report.pending = self.list_jobs([JobState.PENDING], limit=1_000_000)
-        return report
-
     # ---- internals ------------------------------------------------------------------------
 
-    def _has_run_state(self, job: JobRecord) -> bool:
-        return self.run_state(job.job_id) is not None
-
     def _get(self, db: sqlite3.Connection, job_id: str) -> JobRecord:
-        row = db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        row = db.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
         if row is None:
             raise NotFoundError(f"no such job: {job_id}")
-        return _job(row)
+        return job_from_row(row)
 
     def _event(
         self,
@@ -614,42 +420,4 @@ class SqliteJobStore:
             )
 
 
-def _check_changes(changes: Mapping[str, Any]) -> None:
-    unknown = set(changes) - _MUTABLE
-    if unknown:
-        raise InvalidArgumentError(f"cannot change job columns {sorted(unknown)}")
-
-
-def _assignments(changes: Mapping[str, Any]) -> tuple[str, list[Any]]:
-    sets, args = "", []
-    for column, value in sorted(changes.items()):
-        if column == "workers" and not isinstance(value, str):
-            value = json.dumps(list(value))
-        sets += f", {column} = ?"
-        args.append(value)
-    return sets, args
-
-
-def _job(row: sqlite3.Row) -> JobRecord:
-    spec = common_pb2.JobSpec()
-    spec.ParseFromString(row["spec"])
-    return JobRecord(
-        job_id=row["job_id"],
-        kind=row["kind"],
-        spec=spec,
-        state=JobState(row["state"]),
-        reason=row["reason"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-        round=row["round"],
-        loss=row["loss"],
-        workers=tuple(json.loads(row["workers"])),
-        attempt=row["attempt"],
-        exit_code=row["exit_code"],
-        submitted_by=row["submitted_by"],
-        not_before=row["not_before"],
-        result_path=row["result_path"],
-    )
-
-
-__all__ = ["DB_NAME", "MAX_LINE_CHARS", "SCHEMA_VERSION", "SqliteJobStore"]
+__all__ = ["DB_NAME", "MAX_LINE_CHARS", "SqliteJobStore"]

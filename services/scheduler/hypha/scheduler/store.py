@@ -1,8 +1,8 @@
 """The job store as the scheduler's async code uses it: one database thread and a change feed.
 
 The records and the rules (compare-and-set transitions, bounded logs and
-events, recovery after a crash) are ``hypha.scheduler.sqlite_store``'s; this
-module adds two things on top:
+events) are ``hypha.scheduler.sqlite_store``'s, recovery after a crash
+``hypha.scheduler.restart_recovery``'s; this module adds two things on top:
 
 - **One database thread.** ``JobStore`` runs every call of its
   ``SqliteJobStore`` on one dedicated thread: SQLite serialises writers
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from hypha.errors import FailedPreconditionError
+from hypha.scheduler import restart_recovery
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.records import (
     JobEventRecord,
@@ -201,7 +202,7 @@ class JobStore(Service):
     _update = _on_db_thread(SqliteJobStore.update)
     _note = _on_db_thread(SqliteJobStore.note)
     _append_logs = _on_db_thread(SqliteJobStore.append_logs)
-    _recover = _on_db_thread(SqliteJobStore.recover)
+    _recover = _on_db_thread(restart_recovery.recover)  # a bare ``recover`` here is the method above
 
 
 __all__ = [
