@@ -1,10 +1,11 @@
-"""One execution as the job manager holds it, and how it is reported to the scheduler.
+"""One execution as the job manager holds it: how it is re-pointed and reported to the scheduler.
 
 ``Execution`` bundles what one run of an executor owns while it lives: its
 dispatch and state record (``execution_state``), work dir, plan, GPU slots,
 scheduler link, log forwarder, bridge, process and helper tasks. The job
-manager creates it on dispatch and drops it, after cleanup, into its list of
-finished executions.
+manager creates it on dispatch, re-points it in place when its scheduler
+dispatches it again (``is_rewiring``, ``is_reattach``: the process keeps
+running), and drops it, after cleanup, into its list of finished executions.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import asyncio
 import logging
 import os
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Coroutine
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from hypha import factories
 from hypha.market.resources import ExecutorKind
@@ -30,7 +33,7 @@ log = logging.getLogger(__name__)
 
 #: Output lines kept to explain a failure (the last stderr line goes into the message).
 TAIL_LINES = 20
-#: Helper task names the manager treats specially.
+#: Helper task names the manager and its supervisor treat specially.
 PUMP_NAMES = ("stdout", "stderr")
 RUNNING_REPORT = "report-running"
 
@@ -58,6 +61,10 @@ class Execution:
     #: The lease that expired under it while it waits for its scheduler to take it back ("": none).
     orphaned: str = ""
 
+    def helper(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        """Run ``coro`` as one of the execution's helper tasks, named for the job and ``name``."""
+        self.helpers.spawn(coro, f"job-{self.dispatch.job_id}-{name}")
+
     def helper_tasks(self, *suffixes: str) -> list[asyncio.Task[object]]:
         """The live helper tasks whose names end in one of ``suffixes``."""
         return [task for task in self.helpers if task.get_name().endswith(suffixes)]
@@ -73,6 +80,38 @@ class Execution:
         except TimeoutError:
             return False
         return True
+
+    def rewire(self, dispatch: JobDispatch) -> None:
+        """Re-point the running execution; nothing restarts (see ``is_rewiring``)."""
+        running = self.dispatch
+        if dispatch.executor is ExecutorKind.DILOCO_TRAINER:
+            former = (*running.former_parameter_servers, running.parameter_server_id)
+            former = tuple(p for p in dict.fromkeys(former) if p != dispatch.parameter_server_id)
+            dispatch = replace(dispatch, former_parameter_servers=former)
+            line = f"parameter server restored on {dispatch.parameter_server_id}"
+        else:
+            line = f"trainers now: {', '.join(dispatch.trainer_ids)}"
+        self.dispatch = dispatch
+        if self.bridge is not None:
+            self.bridge.rewire(dispatch)
+        self.logs.line("system", line)
+
+    def reattach(self, dispatch: JobDispatch) -> None:
+        """Adopt the new lease (and attempt) of a restarted scheduler; nothing restarts (``is_reattach``)."""
+        expired, self.orphaned = self.orphaned, ""
+        running = self.dispatch
+        if (
+            dispatch.parameter_server_id != running.parameter_server_id
+            or dispatch.trainer_ids != running.trainer_ids
+        ):
+            self.rewire(dispatch)  # the server or the trainers changed meanwhile
+        else:
+            self.dispatch = dispatch
+            if self.bridge is not None:
+                self.bridge.ctx.dispatch = dispatch
+        line = f"taken back by its scheduler under lease {dispatch.lease_id} (lease {expired} expired)"
+        self.logs.line("system", line)
+        log.info("job %s (%s) %s", dispatch.job_id, dispatch.executor.value, line)
 
     def environment(self, settings: JobsSection) -> dict[str, str]:
         """The executor's whole environment: nothing of the worker's but ``env_passthrough``."""

@@ -7,18 +7,13 @@ For each ``DispatchJob`` the manager
    into an ``ExecutorPlan`` (``executors``);
 2. prepares the job's private work dir (``work_dirs``), opens the job's
    tensor inboxes and starts its bridge;
-3. starts the executor as the leader of a new process group
-   (``process_group``) inside its sandbox (``sandbox``, resolved once at
-   start, after the executors a previous run left behind were killed), with
-   the bridge socket, a thread count that shares the machine's cores, and the
-   assigned GPU slots in ``CUDA_VISIBLE_DEVICES``;
-   stdout and stderr are read line by line into the job's log forwarder;
-4. supervises it: timeout, completion marker, cancellation (SIGTERM to the
-   group, SIGKILL after ``stop_grace_s``), lease expiry (a DiLoCo
-   execution waits ``reattach_grace_s`` for its restarted scheduler first);
-5. when the leader exits, ends whatever is left of its group, settles the
-   final state (``execution_state``), reports it to the scheduler, keeps the
-   result dir, frees the GPU slots and cleans up the work dir per policy.
+3. has its ``supervisor`` start the executor's process group in the sandbox
+   and watch it (timeout, completion marker), and stop it on cancellation or
+   lease expiry (a DiLoCo execution waits ``reattach_grace_s`` for its
+   restarted scheduler first);
+4. when the supervisor has settled the final state, reports it to the
+   scheduler, keeps the result dir, frees the GPU slots and cleans up the
+   work dir per policy.
 """
 
 from __future__ import annotations
@@ -27,14 +22,11 @@ import asyncio
 import logging
 import math
 import os
-import signal
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from hypha import factories
 from hypha.errors import (
@@ -48,22 +40,14 @@ from hypha.market.resources import ExecutorKind
 from hypha.service import Service
 from hypha.worker import executors
 from hypha.worker.bridge import BridgeContext, JobBridge, SliceSource
-from hypha.worker.execution import (
-    PUMP_NAMES,
-    REATTACHABLE,
-    RUNNING_REPORT,
-    Execution,
-    is_reattach,
-    is_rewiring,
-)
+from hypha.worker.execution import REATTACHABLE, RUNNING_REPORT, Execution, is_reattach, is_rewiring
 from hypha.worker.execution_state import ExecutionRecord, ExecutionState, JobDispatch, StopCause
 from hypha.worker.gpu_slots import GpuSlots
 from hypha.worker.jobs_config import JobsSection
 from hypha.worker.model_fetch import ResourceFetcher
-from hypha.worker.process_group import end_group, kill_orphans, pump_lines, signal_group, spawn_group_leader
-from hypha.worker.sandbox import Sandbox, resolve
 from hypha.worker.scheduler_link import LogForwarder, LogSink, SchedulerLink
-from hypha.worker.task_files import keep_outputs, unpack_files
+from hypha.worker.supervisor import Supervisor
+from hypha.worker.task_files import unpack_files
 from hypha.worker.transfer import TensorExchange
 from hypha.worker.work_dirs import WorkDirs
 
@@ -113,19 +97,13 @@ class JobManager(Service):
         self._finished: OrderedDict[str, Execution] = OrderedDict()
         self._accepting = False
         self._stopped = False
-        self._hidden = (self.work_root, *hidden)
-        self.sandbox: Sandbox | None = None
+        self.supervisor = Supervisor(settings, hidden=(self.work_root, *hidden), clock=clock)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
         """Resolve the sandbox, kill a previous run's executors, sweep old dirs; then accept jobs."""
-        self.sandbox = await asyncio.to_thread(
-            resolve, self.settings.sandbox, readonly=self.settings.sandbox_paths, hidden=self._hidden
-        )
-        killed = await asyncio.to_thread(kill_orphans, self.dirs.jobs_dir)
-        if killed:
-            log.warning("killed %d executor process(es) a previous run left behind", len(killed))
+        await self.supervisor.start(self.dirs.jobs_dir)
         await asyncio.to_thread(self.dirs.create)
         busy = {execution.work_dir for execution in self._active.values()}
         await asyncio.to_thread(self.dirs.sweep, self.settings.retain_s, busy)
@@ -139,7 +117,7 @@ class JobManager(Service):
         self._stopped = True
         running = list(self._active.values())
         for execution in running:
-            self._stop(execution, StopCause.CANCEL, reason)
+            self.supervisor.stop(execution, StopCause.CANCEL, reason)
         bound = self.settings.stop_grace_s + self.settings.status_timeout_s + 10.0
         waits = [execution.done.wait() for execution in running]
         if waits:
@@ -163,9 +141,11 @@ class JobManager(Service):
         running = self._active.get(dispatch.key)
         if running is not None:
             if is_reattach(running, dispatch):
-                return self._reattach(running, dispatch)
+                running.reattach(dispatch)
+                return running.record
             if is_rewiring(running.dispatch, dispatch):
-                return self._rewire(running, dispatch)
+                running.rewire(dispatch)
+                return running.record
             raise AlreadyExistsError(f"job {dispatch.job_id} ({dispatch.executor.value}) already runs here")
         if len(self._active) >= self.settings.max_concurrent_jobs:
             raise ResourceExhaustedError(f"{len(self._active)} jobs already run on this worker")
@@ -213,7 +193,7 @@ class JobManager(Service):
         try:
             await self._prepare(execution)
             if not record.state.terminal:
-                await self._spawn(execution)
+                await self.supervisor.spawn(execution)
         except Exception as err:
             message = err.message if isinstance(err, HyphaError) else f"{type(err).__name__}: {err}"
             log.warning("job %s failed to start: %s", dispatch.job_id, message)
@@ -226,40 +206,6 @@ class JobManager(Service):
             self._supervise(execution), name=f"job-{dispatch.job_id}-{dispatch.executor.value}"
         )
         return record
-
-    def _rewire(self, execution: Execution, dispatch: JobDispatch) -> ExecutionRecord:
-        """Re-point a running execution; nothing restarts (see ``is_rewiring``)."""
-        running = execution.dispatch
-        if dispatch.executor is ExecutorKind.DILOCO_TRAINER:
-            former = (*running.former_parameter_servers, running.parameter_server_id)
-            former = tuple(p for p in dict.fromkeys(former) if p != dispatch.parameter_server_id)
-            dispatch = replace(dispatch, former_parameter_servers=former)
-            line = f"parameter server restored on {dispatch.parameter_server_id}"
-        else:
-            line = f"trainers now: {', '.join(dispatch.trainer_ids)}"
-        execution.dispatch = dispatch
-        if execution.bridge is not None:
-            execution.bridge.rewire(dispatch)
-        execution.logs.line("system", line)
-        return execution.record
-
-    def _reattach(self, execution: Execution, dispatch: JobDispatch) -> ExecutionRecord:
-        """Adopt the new lease (and attempt) of a restarted scheduler; nothing restarts."""
-        expired, execution.orphaned = execution.orphaned, ""
-        running = execution.dispatch
-        if (
-            dispatch.parameter_server_id != running.parameter_server_id
-            or dispatch.trainer_ids != running.trainer_ids
-        ):
-            self._rewire(execution, dispatch)  # the server or the trainers changed meanwhile
-        else:
-            execution.dispatch = dispatch
-            if execution.bridge is not None:
-                execution.bridge.ctx.dispatch = dispatch
-        line = f"taken back by its scheduler under lease {dispatch.lease_id} (lease {expired} expired)"
-        execution.logs.line("system", line)
-        log.info("job %s (%s) %s", dispatch.job_id, dispatch.executor.value, line)
-        return execution.record
 
     def dispatched_by(self, job_id: str, executor: ExecutorKind) -> str | None:
         """The scheduler that dispatched the live ``executor`` execution of ``job_id``, if one runs."""
@@ -282,7 +228,7 @@ class JobManager(Service):
                 continue
             if scheduler_id is not None and dispatch.scheduler_id != scheduler_id:
                 continue
-            self._stop(execution, StopCause.CANCEL, reason or "cancelled")
+            self.supervisor.stop(execution, StopCause.CANCEL, reason or "cancelled")
             hit = True
         return hit
 
@@ -307,9 +253,9 @@ class JobManager(Service):
                 )
                 execution.logs.line("system", line)
                 log.info("job %s (%s) %s", execution.dispatch.job_id, execution.dispatch.executor.value, line)
-                self._helper(execution, self._end_orphan(execution, lease_id, grace_s), "orphan")
+                execution.helper(self._end_orphan(execution, lease_id, grace_s), "orphan")
                 continue
-            self._stop(execution, StopCause.CANCEL, reason or f"lease {lease_id} ended")
+            self.supervisor.stop(execution, StopCause.CANCEL, reason or f"lease {lease_id} ended")
             stopped.append(execution.dispatch.job_id)
         return stopped
 
@@ -317,7 +263,7 @@ class JobManager(Service):
         """Stop an execution whose expired lease nobody took back within ``grace_s``."""
         if await execution.exited_within(grace_s) or execution.orphaned != lease_id:
             return
-        self._stop(
+        self.supervisor.stop(
             execution,
             StopCause.CANCEL,
             f"lease {lease_id} expired and its scheduler did not take the job back within {grace_s:g} s",
@@ -397,130 +343,14 @@ class JobManager(Service):
         await bridge.start()
         execution.bridge = bridge
 
-    async def _spawn(self, execution: Execution) -> None:
-        sandbox = self.sandbox
-        assert sandbox is not None, "start() resolves the sandbox"
-        env = sandbox.environment(execution.environment(self.settings), execution.work_dir)
-        process, out_read, err_read = await spawn_group_leader(
-            sandbox.wrap(execution.plan.argv, execution.work_dir, env.get("PATH")), execution.work_dir, env
-        )
-        execution.process = process
-        if execution.record.state.terminal:  # cancelled while the process was being created
-            signal_group(process.pid, signal.SIGKILL)
-            await process.wait()
-            os.close(out_read)
-            os.close(err_read)
-            return
-        execution.record.spawned(self._clock())
-        for fd, stream in ((out_read, "stdout"), (err_read, "stderr")):
-            self._helper(execution, self._pump(execution, fd, stream), stream)
-        gpus = ",".join(map(str, execution.gpus)) or "none"
-        execution.logs.line(
-            "system",
-            f"started {execution.dispatch.executor.value} (pid {process.pid}, threads {execution.threads}, "
-            f"GPUs {gpus})",
-        )
-        self._helper(
-            execution,
-            execution.report(execution.status_report(), self.settings.status_timeout_s),
-            RUNNING_REPORT,
-        )
-
-    def _helper(self, execution: Execution, coro: Coroutine[Any, Any, None], name: str) -> None:
-        execution.helpers.spawn(coro, f"job-{execution.dispatch.job_id}-{name}")
-
-    async def _pump(self, execution: Execution, fd: int, stream: str) -> None:
-        await pump_lines(
-            fd, self.settings.max_log_line_bytes, lambda line: self._emit(execution, stream, line)
-        )
-
-    def _emit(self, execution: Execution, stream: str, raw: bytes) -> None:
-        text = raw.decode(errors="replace").rstrip("\r")
-        execution.tail.append(f"{stream}: {text}")
-        execution.logs.line(stream, text)
-
-    # ---- supervising and stopping ------------------------------------------------------------
+    # ---- supervising and finishing ------------------------------------------------------------
 
     async def _supervise(self, execution: Execution) -> None:
-        process = execution.process
-        assert process is not None
-        plan = execution.plan
-        if plan.timeout_s is not None:
-            self._helper(execution, self._timeout(execution, plan.timeout_s), "timeout")
-        if plan.marker is not None:
-            self._helper(execution, self._watch_marker(execution, plan.marker), "marker")
+        """The execution's supervisor task: its process to its final state, then its cleanup."""
         try:
-            code = await process.wait()
-            execution.exited.set()
-            # The leader is gone; nothing of its group may outlive the job.
-            await self._end_group(process.pid, execution)
-            pumps = execution.helper_tasks(*PUMP_NAMES)
-            if pumps:
-                await asyncio.wait(pumps, timeout=5.0)
-            marker_found = None
-            if plan.marker is not None:
-                marker_found = await asyncio.to_thread(plan.marker.exists)
-            if execution.dispatch.executor is ExecutorKind.TASK and (
-                marker_found if marker_found is not None else code == 0
-            ):
-                kept, missing = await asyncio.to_thread(
-                    keep_outputs, execution.dispatch.spec.task, execution.work_dir
-                )
-                if kept is not None:
-                    execution.record.result_dir = str(kept)
-                if missing:
-                    execution.record.report("failed", missing)
-                    marker_found = None if marker_found is None else False
-            state = execution.record.exited(code, self._clock(), marker_found=marker_found)
-            if state is ExecutionState.FAILED and execution.record.reported_state != "failed":
-                if last := execution.last_stderr():
-                    execution.record.message += f" ({last})"
-        except asyncio.CancelledError:
-            if execution.process is not None:
-                signal_group(execution.process.pid, signal.SIGKILL)
-            raise
+            await self.supervisor.supervise(execution)
         finally:
             await self._finish(execution)
-
-    async def _end_group(self, pgid: int, execution: Execution) -> None:
-        """The leader is gone: end the rest of its group (politely only if we were stopping it)."""
-        stopping = execution.record.state is ExecutionState.STOPPING
-        killed = await end_group(pgid, grace_s=self.settings.stop_grace_s if stopping else None)
-        if killed:
-            execution.logs.line("system", f"killed {killed} leftover process(es) of the job")
-
-    def _stop(self, execution: Execution, cause: StopCause, message: str) -> None:
-        record = execution.record
-        if not record.request_stop(cause, self._clock(), message):
-            return
-        execution.logs.line("system", f"stopping ({cause.value}): {message}")
-        assert execution.process is not None and self.sandbox is not None
-        signal_group(execution.process.pid, signal.SIGTERM, spare_leader=self.sandbox.wrapper_leads)
-        self._helper(execution, self._kill_after_grace(execution), "kill")
-
-    async def _kill_after_grace(self, execution: Execution) -> None:
-        if not await execution.exited_within(self.settings.stop_grace_s):
-            assert execution.process is not None
-            execution.logs.line(
-                "system", f"still running {self.settings.stop_grace_s:g} s after SIGTERM: SIGKILL"
-            )
-            signal_group(execution.process.pid, signal.SIGKILL)
-
-    async def _timeout(self, execution: Execution, timeout_s: float) -> None:
-        if not await execution.exited_within(timeout_s):
-            self._stop(execution, StopCause.TIMEOUT, f"ran past its timeout of {timeout_s:g} s")
-
-    async def _watch_marker(self, execution: Execution, marker: Path) -> None:
-        # NOTE: polling a file is the portable way (no inotify in the standard library); the
-        # interval is a setting and the check is one stat().
-        while not execution.exited.is_set():
-            if await asyncio.to_thread(marker.exists):
-                if not await execution.exited_within(self.settings.marker_exit_grace_s):
-                    self._stop(execution, StopCause.MARKER, "completion marker found; the task kept running")
-                return
-            await execution.exited_within(self.settings.marker_poll_s)
-
-    # ---- finishing ----------------------------------------------------------------------------
 
     async def _finish(self, execution: Execution) -> None:
         """Free everything the execution held; runs once, whatever happened."""
