@@ -19,6 +19,7 @@ from hypha.data.servicer import DataNodeServicer, DatasetCatalog
 from hypha.data.slices import FileStamp
 from hypha.datasets.format import CONTENT_TYPE, Dataset
 from hypha.datasets.prepare import write_dataset
+from hypha.errors import DataLossError
 from hypha.net.channel import secure_channel
 from hypha.net.server import NodeServer
 from hypha.net.tls import TlsMaterial
@@ -183,7 +184,7 @@ async def test_rot_found_while_streaming_withholds_the_last_chunk_and_the_next_s
     pki: Pki, toy: Dataset
 ) -> None:
     async with (
-        data_node(pki.tls("data"), toy.root.parent) as (server, servicer),
+        data_node(pki.tls("data"), toy.root.parent, trust_verified_s=0) as (server, servicer),
         secure_channel(pki.tls("worker"), server.address) as channel,
     ):
         stub = data_pb2_grpc.DataNodeStub(channel)
@@ -215,6 +216,27 @@ async def test_rot_found_while_streaming_withholds_the_last_chunk_and_the_next_s
     assert sum(len(c.data) for c in received) < toy.slice_size(3)
     assert after.value.code() == grpc.StatusCode.DATA_LOSS and again == []
     assert servicer.stats["refused_corrupt"] == 2
+
+
+async def test_rot_sent_within_the_trust_window_is_refused_by_the_readers_own_check(
+    pki: Pki, toy: Dataset
+) -> None:
+    async with data_node(pki.tls("data"), toy.root.parent, trust_verified_s=3600) as (server, servicer):
+        await stream(pki.tls("worker"), server.address, "toy", 1)  # checked whole: trusted now
+        # Prepare: rot that the file's stat cannot show (its new stamp recorded as verified)
+        path = toy.slice_path(1)
+        data = bytearray(path.read_bytes())
+        data[7] ^= 0x10
+        path.write_bytes(bytes(data))
+        servicer.verified.record(str(path), FileStamp.of(os.stat(path)))
+
+        # Execute
+        chunks = await stream(pki.tls("worker"), server.address, "toy", 1)
+
+    # Assert: the node sent it unhashed, with the manifest's sha256, and the reader refuses it
+    assert chunks[-1].last and chunks[-1].sha256 == toy.slice_sha256(1)
+    with pytest.raises(DataLossError, match="checksum"):
+        assemble(chunks, max_bytes=1 << 20, expected_content_type=CONTENT_TYPE)
 
 
 @pytest.mark.parametrize(

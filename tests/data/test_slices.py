@@ -1,8 +1,9 @@
-"""SliceReader: a slice checked whole the first time, hashed as it goes once known good, never
-handed out whole when its bytes no longer match the manifest."""
+"""SliceReader: a slice checked whole the first time, trusted for a while when unchanged, hashed
+as it goes after that, and never handed out whole by a check that finds it no longer matches."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -49,24 +50,47 @@ def pretend_rot_unseen(dataset: Dataset, verified: VerifiedFiles, index: int) ->
     verified.record(str(path), FileStamp.of(os.stat(path)))
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.mark.parametrize("chunk", [1, 999, 1 << 20])
 @pytest.mark.parametrize("offset", [0, 1, 4000])
-def test_both_modes_give_the_slice_from_any_offset(dataset: Dataset, chunk: int, offset: int) -> None:
+def test_every_mode_gives_the_slice_from_any_offset(dataset: Dataset, chunk: int, offset: int) -> None:
     # Prepare
-    verified = VerifiedFiles()
+    clock = Clock()
+    verified = VerifiedFiles(trust_s=60, clock=clock)
     whole = dataset.slice_path(1).read_bytes()
 
-    # Execute: the first stream checks the file whole, the second hashes as it reads
-    first = opened(dataset, verified, 1, chunk, offset)
-    first_chunks = read_all(first)
-    second = opened(dataset, verified, 1, chunk, offset)
-    second_chunks = read_all(second)
+    # Execute: checked whole, then trusted within the minute, then hashed as it is read
+    modes, outputs = [], []
+    for advance in (0, 30, 61):
+        clock.now += advance
+        reader = opened(dataset, verified, 1, chunk, offset)
+        modes.append(reader.mode)
+        outputs.append(read_all(reader))
 
     # Assert
-    assert first.checked_first and not second.checked_first
-    for chunks in (first_chunks, second_chunks):
+    assert modes == ["whole", "trusted", "hashed"]
+    for chunks in outputs:
         assert b"".join(chunks) == whole[offset:]
         assert all(0 < len(c) <= chunk for c in chunks)
+
+
+def test_a_hashed_stream_that_matches_renews_the_trust(dataset: Dataset) -> None:
+    clock = Clock()
+    verified = VerifiedFiles(trust_s=60, clock=clock)
+    read_all(opened(dataset, verified, 0))
+    clock.now += 100
+    assert opened(dataset, verified, 0).mode == "hashed"  # not read to the end: no renewal
+    hashed = opened(dataset, verified, 0)
+    read_all(hashed)
+    clock.now += 30
+    assert [hashed.mode, opened(dataset, verified, 0).mode] == ["hashed", "trusted"]
 
 
 def test_a_rotted_file_is_refused_before_its_first_byte(dataset: Dataset) -> None:
@@ -84,15 +108,15 @@ def test_a_rotted_file_is_refused_before_its_first_byte(dataset: Dataset) -> Non
 
 
 def test_a_file_changed_since_its_check_is_checked_whole_again(dataset: Dataset) -> None:
-    # Prepare: served once (verified), then rewritten with other bytes of the same size
-    verified = VerifiedFiles()
+    # Prepare: served once (verified, trusted for an hour), then rewritten with other bytes
+    verified = VerifiedFiles(trust_s=3600)
     read_all(opened(dataset, verified, 0))
     path = dataset.slice_path(0)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
 
-    # Execute / Assert: the stamp changed, so the check comes before any byte
+    # Execute / Assert: the stamp changed, so the check comes before any byte, trust or not
     with pytest.raises(DataLossError, match="sha256"):
         opened(dataset, verified, 0)
 
@@ -107,7 +131,7 @@ def test_rot_the_stamp_cannot_show_withholds_the_last_chunk_and_forgets_the_file
     pretend_rot_unseen(dataset, verified, 1)
     size = dataset.slice_size(1)
     reader = opened(dataset, verified, 1, 1000, offset)
-    assert not reader.checked_first
+    assert reader.mode == "hashed"
 
     # Execute
     got = []
@@ -128,7 +152,7 @@ def test_a_file_cut_short_while_streamed_is_data_loss(dataset: Dataset) -> None:
     read_all(opened(dataset, verified, 0))
     path = dataset.slice_path(0)
     reader = opened(dataset, verified, 0)
-    assert not reader.checked_first
+    assert reader.mode == "hashed"
     os.truncate(path, dataset.slice_size(0) // 2)
 
     # Execute / Assert
@@ -143,7 +167,31 @@ def test_bad_index_or_offset_is_out_of_range(dataset: Dataset, index: int, offse
         SliceReader(dataset, index, 1000, offset, VerifiedFiles())
 
 
+def test_rot_within_the_trust_window_is_sent_as_it_is_and_left_to_the_readers_check(
+    dataset: Dataset,
+) -> None:
+    # Prepare
+    clock = Clock()
+    verified = VerifiedFiles(trust_s=60, clock=clock)
+    read_all(opened(dataset, verified, 2))
+    pretend_rot_unseen(dataset, verified, 2)
+
+    # Execute
+    trusted = opened(dataset, verified, 2)
+    sent = b"".join(read_all(trusted))
+
+    # Assert: the node sent the rotted bytes (a reader's sha256 refuses them: test_serving), and
+    # once the trust lapses the node finds the rot itself
+    assert trusted.mode == "trusted" and sent == dataset.slice_path(2).read_bytes()
+    assert hashlib.sha256(sent).hexdigest() != dataset.slice_sha256(2)
+    clock.now += 61
+    with pytest.raises(DataLossError, match="withheld"):
+        read_all(opened(dataset, verified, 2))
+    with pytest.raises(DataLossError, match="sha256"):
+        opened(dataset, verified, 2)
+
+
 def test_an_offset_at_the_end_yields_nothing(dataset: Dataset) -> None:
     verified = VerifiedFiles()
-    for _ in range(2):  # checked first, then streaming
+    for _ in range(2):  # checked first, then hashed
         assert read_all(opened(dataset, verified, 0, offset=dataset.slice_size(0))) == []

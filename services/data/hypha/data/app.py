@@ -136,6 +136,7 @@ def build(settings: DataNodeSettings, tls: TlsMaterial) -> DataNode:
         chunk_bytes=cfg.chunk_bytes,
         max_concurrent_streams=cfg.max_concurrent_streams,
         stream_wait_s=cfg.stream_wait_s,
+        trust_verified_s=cfg.trust_verified_s,
     )
     bindings: list[ServiceBinding] = [
         (data_pb2_grpc.add_DataNodeServicer_to_server, servicer, "hypha.v1.DataNode")

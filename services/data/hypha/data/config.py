@@ -10,6 +10,8 @@ from hypha.config.common import NodeSettings
 
 #: The largest chunk the wire conventions allow (``hypha.v1.Chunk``: at most 1 MiB of data).
 MAX_CHUNK_BYTES = 1 << 20
+#: How long a verified, unchanged slice file is served without hashing it again (``trust_verified_s``).
+DEFAULT_TRUST_VERIFIED_S = 300.0
 #: Longest lifetime a provider record may claim (``hypha.dht.records.MAX_LIFETIME_S``).
 MAX_RECORD_TTL_S = 24 * 3600.0
 
@@ -33,8 +35,18 @@ class DataNodeSection(BaseModel):
     max_concurrent_streams: int = Field(
         16,
         ge=1,
-        description="Slice streams served at once. Each holds its verified slice in memory until sent, so "
-        "this bounds memory at about this many slices.",
+        description="Slice streams served at once. A slice's first stream holds it whole in memory "
+        "(it is checked before it is sent), later ones about two chunks, so this bounds memory at about "
+        "this many slices.",
+    )
+    trust_verified_s: float = Field(
+        DEFAULT_TRUST_VERIFIED_S,
+        ge=0,
+        description="How long a slice file that passed its sha256 check is served without hashing it "
+        "again, while its stat (inode, size, mtime, ctime) is unchanged; after that its next stream is "
+        "hashed as it is sent and its last chunk withheld if the bytes no longer match. Readers check "
+        "every slice against the manifest's sha256 themselves, so bytes that rot without a trace in the "
+        "stat are refused by the reader within this window and by the node after it. 0: hash every stream.",
     )
     stream_wait_s: float = Field(
         10.0,

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import grpc
 
+from hypha.data.config import DEFAULT_TRUST_VERIFIED_S
 from hypha.data.slices import SliceReader, VerifiedFiles
 from hypha.datasets.format import CONTENT_TYPE, DEFAULT_CHUNK_SIZE, MANIFEST_NAME, Dataset, scan_data_dir
 from hypha.errors import DataLossError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
@@ -131,6 +132,7 @@ class DataNodeServicer(data_pb2_grpc.DataNodeServicer):
         chunk_bytes: int = DEFAULT_CHUNK_SIZE,
         max_concurrent_streams: int = 16,
         stream_wait_s: float = 10.0,
+        trust_verified_s: float = DEFAULT_TRUST_VERIFIED_S,
         chunk_hook: ChunkHook | None = None,
     ) -> None:
         if chunk_bytes < 1:
@@ -144,7 +146,7 @@ class DataNodeServicer(data_pb2_grpc.DataNodeServicer):
         self.chunk_hook = chunk_hook
         self._slots = asyncio.Semaphore(max_concurrent_streams)
         #: Slice files that passed a whole check; their next streams are hashed as they go.
-        self.verified = VerifiedFiles()
+        self.verified = VerifiedFiles(trust_s=trust_verified_s)
         #: Counters: streams started/completed, bytes sent, slices refused as corrupt, busy refusals.
         self.stats: Counter[str] = Counter()
 

@@ -1,18 +1,25 @@
-"""Reading one slice for one stream: verified before its first byte leaves, or as it goes.
+"""Reading one slice for one stream: checked before its first byte leaves, as it goes, or trusted.
 
-A slice file is checked against its manifest sha256 on every stream. The first
-time this node serves a file (or after the file changed: another inode, size,
-mtime or ctime) the whole slice is read and hashed before its first chunk
-leaves, so a slice that was rewritten or replaced badly is refused with
-``DATA_LOSS`` and not one of its bytes is sent. Once a file has passed that
-check, later streams of the same unchanged file are hashed *while* they are
-read and sent, one chunk read ahead, so a reader no longer waits for a whole
-slice to be hashed before its first byte (that wait was a third of a 4 MiB
-slice's time: docs/performance.md). The check still covers every byte: the
-last chunk, the one carrying the sha256, is withheld when the bytes no longer
-match (rot the file's stat cannot show), the stream ends in ``DATA_LOSS``, the
-reader discards what it had (its own sha256 would refuse it anyway) and the
-file is checked whole again before it is next served.
+Every slice a reader receives is checked by that reader against the
+manifest's sha256 (``ChunkAssembler``, ``SliceFetcher``): corrupt bytes are
+never used, whatever the node does. The node's own check is there so that it
+stops serving a slice that rotted, says so (``refused_corrupt``, an error in
+its log) and does not make every reader pay for the failed download. It
+costs a sha256 pass over every byte served, which on a small data node was
+as much CPU as the transfer itself (docs/performance.md), so the node checks
+a file three ways:
+
+- the first time it serves the file, or after the file changed (another
+  inode, size, mtime or ctime): the whole slice is read and hashed before its
+  first chunk leaves, so a slice rewritten or replaced badly is refused with
+  ``DATA_LOSS`` and not one of its bytes is sent;
+- within ``trust_s`` of the last check of the unchanged file: sent without
+  hashing (the readers' check guards it, as HDFS's clients guard blocks between
+  its data nodes' scans);
+- later: hashed as it is read and sent, one chunk ahead of the wire; the last
+  chunk (the one carrying the sha256) is withheld when the bytes no longer
+  match, the stream ends in ``DATA_LOSS`` and the file is checked whole again
+  before it is next served. A match renews the trust.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import hashlib
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 from typing import IO, NamedTuple, NoReturn
 
 from hypha.datasets.format import Dataset
@@ -46,30 +55,39 @@ class FileStamp(NamedTuple):
 
 
 class VerifiedFiles:
-    """Slice files this node has read whole and found matching their manifest, by path and stamp.
+    """Slice files that matched their manifest, by path: the stamp they had and when they matched.
 
+    ``trust_s``: how long after a check an unchanged file is served without hashing.
     Thread-safe: readers record and forget entries from worker threads.
     """
 
-    def __init__(self) -> None:
-        self._stamps: dict[str, FileStamp] = {}
+    def __init__(self, trust_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if trust_s < 0:
+            raise InvalidArgumentError(f"trust_s must be >= 0, got {trust_s}")
+        self.trust_s = trust_s
+        self._clock = clock
+        self._checks: dict[str, tuple[FileStamp, float]] = {}
         self._lock = threading.Lock()
 
-    def matches(self, path: str, stamp: FileStamp) -> bool:
+    def standing(self, path: str, stamp: FileStamp) -> str:
+        """``"trusted"``, ``"known"`` (matched before, trust lapsed) or ``"unknown"`` (never, or changed)."""
         with self._lock:
-            return self._stamps.get(path) == stamp
+            check = self._checks.get(path)
+        if check is None or check[0] != stamp:
+            return "unknown"
+        return "trusted" if self._clock() - check[1] < self.trust_s else "known"
 
     def record(self, path: str, stamp: FileStamp) -> None:
         with self._lock:
-            self._stamps[path] = stamp
+            self._checks[path] = (stamp, self._clock())
 
     def forget(self, path: str) -> None:
         with self._lock:
-            self._stamps.pop(path, None)
+            self._checks.pop(path, None)
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._stamps)
+            return len(self._checks)
 
 
 class SliceReader:
@@ -94,13 +112,15 @@ class SliceReader:
         self._path = str(dataset.slice_path(index))
         self._expected = dataset.slice_sha256(index)
         self._file: IO[bytes] | None = None
+        self._stamp: FileStamp | None = None
         self._digest: hashlib._Hash | None = None
         self._memory: memoryview | None = None
-        #: True when the slice was hashed whole before its first chunk (first serve, or it changed).
-        self.checked_first = False
+        #: How this stream is checked: "whole" (before the first chunk), "hashed" (as it is
+        #: sent) or "trusted" (checked within trust_s, unchanged since); set by ``open``.
+        self.mode = ""
 
     def open(self) -> None:
-        """Check the slice whole unless this very file passed before; blocking."""
+        """Check the slice whole unless this very file matched before; blocking."""
         try:
             file = open(self._path, "rb")  # held for the stream, closed by close()
         except OSError as exc:
@@ -108,8 +128,14 @@ class SliceReader:
                 f"dataset {self.dataset.name}: cannot read slice {self.index}: {exc}"
             ) from None
         stamp = FileStamp.of(os.fstat(file.fileno()))
-        if stamp.size == self.size and self._verified.matches(self._path, stamp):
-            self._file, self._digest = file, hashlib.sha256()
+        standing = self._verified.standing(self._path, stamp) if stamp.size == self.size else "unknown"
+        if standing != "unknown":
+            self._file, self._stamp = file, stamp
+            self.mode = "trusted" if standing == "trusted" else "hashed"
+            if self.mode == "hashed":
+                self._digest = hashlib.sha256()
+            else:
+                file.seek(self.position)
             return
         # NOTE: the stamp is read from the open file before its bytes, so a change made during the
         # read leaves a stamp that no longer matches the file and the next stream checks again.
@@ -123,45 +149,51 @@ class SliceReader:
             )
         self._verified.record(self._path, stamp)
         self._memory = memoryview(data)
-        self.checked_first = True
+        self.mode = "whole"
 
     def next_chunk(self) -> bytes | None:
-        """The next chunk's bytes, ``None`` when the slice is done; blocking. In streaming mode the
-        last chunk is returned only if the whole file hashed to the manifest's sha256."""
+        """The next chunk's bytes, ``None`` when the slice is done; blocking. Hashed as it goes,
+        the last chunk is returned only if the whole file hashed to the manifest's sha256."""
         if self.position >= self.size:
             return None
         if self._memory is not None:
             data = bytes(self._memory[self.position : self.position + self.chunk_size])
             self.position += len(data)
             return data
-        file, digest = self._file, self._digest
-        if file is None or digest is None:
+        if self._file is None:
             raise RuntimeError("SliceReader.open() was not called")
         try:
-            return self._read_hashed(file, digest)
+            return self._read(self._file)
         except OSError as exc:
             self._fail(f"cannot be read ({exc})")
-
-    def _read_hashed(self, file: IO[bytes], digest: hashlib._Hash) -> bytes:
-        if file.tell() < self.position:  # a resumed stream: the skipped bytes are hashed too
-            while file.tell() < self.position:
-                block = file.read(min(_PREFIX_BLOCK, self.position - file.tell()))
-                if not block:
-                    self._fail("ends early")
-                digest.update(block)
-        data = file.read(min(self.chunk_size, self.size - self.position))
-        if len(data) != min(self.chunk_size, self.size - self.position):
-            self._fail("ends early")
-        digest.update(data)
-        self.position += len(data)
-        if self.position >= self.size and (file.read(1) or digest.hexdigest() != self._expected):
-            self._fail("fails its sha256 check")
-        return data
 
     def close(self) -> None:
         file, self._file, self._memory = self._file, None, None
         if file is not None:
             file.close()
+
+    def _read(self, file: IO[bytes]) -> bytes:
+        digest = self._digest
+        if digest is not None and file.tell() < self.position:
+            # A resumed stream: the bytes it skips are hashed too.
+            while file.tell() < self.position:
+                block = file.read(min(_PREFIX_BLOCK, self.position - file.tell()))
+                if not block:
+                    self._fail("ends early")
+                digest.update(block)
+        want = min(self.chunk_size, self.size - self.position)
+        data = file.read(want)
+        if len(data) != want:
+            self._fail("ends early")
+        self.position += len(data)
+        if digest is not None:
+            digest.update(data)
+            if self.position >= self.size:
+                if file.read(1) or digest.hexdigest() != self._expected:
+                    self._fail("fails its sha256 check")
+                assert self._stamp is not None
+                self._verified.record(self._path, self._stamp)  # matched again: trusted anew
+        return data
 
     def _fail(self, why: str) -> NoReturn:
         self._verified.forget(self._path)
