@@ -80,18 +80,17 @@ import torch
 from torch import nn
 
 from hypha import factories, models
-from hypha.datasets.format import load_slice_file
 from hypha.diloco.streaming import fragments_for, rebase_fragment
 from hypha.directives import DirectiveKind
 from hypha.errors import HyphaError, InvalidArgumentError, UnavailableError
 from hypha.tensors.payload import read_metadata
 from hypha.worker.executors.reports import ReportPipe
+from hypha.worker.executors.slice_feed import SliceFeed
 from hypha.worker.executors.training import (
     DELTA,
     GLOBAL,
     GLOBAL_ROUND_KEY,
     UPDATE,
-    Batch,
     BatchStream,
     Bridge,
     InnerSettings,
@@ -106,6 +105,7 @@ from hypha.worker.executors.training import (
     load_trainer_state,
     make_inner_optimizer,
     parameter_state,
+    raise_if_bridge_gone,
     send_outcome,
     snapshot_trainer_state,
     to_device,
@@ -173,6 +173,8 @@ class DilocoTrainer:
         self._checkpointing: asyncio.Future[Path] | None = None
         #: The progress report travelling while the next batch trains.
         self._reports = ReportPipe()
+        #: Where batches come from (set once the job is known).
+        self._feed: SliceFeed | None = None
 
     @property
     def streaming(self) -> bool:
@@ -185,6 +187,8 @@ class DilocoTrainer:
             await self._run()
         except (HyphaError, OSError, RuntimeError, ValueError) as exc:
             self._reports.cancel()
+            if self._feed is not None:
+                self._feed.cancel()
             self._cancel_inflight()
             await self._checkpoint_settled(quiet=True)
             message = exc.message if isinstance(exc, HyphaError) else f"{type(exc).__name__}: {exc}"
@@ -240,15 +244,16 @@ class DilocoTrainer:
         ):
             await self._join()
 
-        stream = BatchStream(batch_size, models.MODEL_INPUTS.get(self.kind))
+        feed = self._feed = SliceFeed(bridge, BatchStream(batch_size, models.MODEL_INPUTS.get(self.kind)))
         stats = RoundStats()
         countdown: int | None = None
         idle_s = self.options.idle_min_s
         reports = self._reports
         while not self._finished():
-            batch = await self._next_batch(stream)
+            batch = await feed.next_batch()
             if batch is None:
                 # No data for now: a zero-batch progress report still fetches the directive.
+                await feed.settle()
                 await reports.settle()
                 kind, _ = await self._report(stats, batch_size)
                 if kind is DirectiveKind.DONE:
@@ -263,8 +268,9 @@ class DilocoTrainer:
             idle_s = self.options.idle_min_s
 
             started = time.perf_counter()
-            # Off the event loop: the last batch's progress report (and, streaming, the
-            # fragment in flight) moves while this one trains.
+            feed.fetch_ahead()
+            # Off the event loop: the last batch's progress report, the next slice (and,
+            # streaming, the fragment in flight) move while this one trains.
             loss = await asyncio.to_thread(train_step, model, optimizer, self.kind, to_device(batch, device))
             elapsed = time.perf_counter() - started
             stats.batches += 1
@@ -272,9 +278,7 @@ class DilocoTrainer:
             stats.loss_sum += loss
             stats.train_seconds += elapsed
             stats.last_batch_seconds = elapsed
-            used = stream.take_consumed()
-            if used:
-                await bridge.slices_used(used)
+            await feed.tell_used()
             if countdown is not None:
                 countdown -= 1
             answer = reports.answer()
@@ -284,7 +288,8 @@ class DilocoTrainer:
                 countdown = _sooner(countdown, answer.countdown(stats.batches))
             if countdown is not None and countdown <= 0:
                 # The round's last batch: its report is awaited (the scheduler sees the
-                # round end before the delta) and may still say the job is done.
+                # round end, and its slices, before the delta) and may still say the job is done.
+                await feed.settle()
                 await reports.settle()
                 kind, _ = await self._report(stats, batch_size)
                 if kind is DirectiveKind.DONE:
@@ -296,6 +301,7 @@ class DilocoTrainer:
             if self._inflight is not None and self._inflight.task.done():
                 await self._land(model, optimizer, checkpoint_dir)
 
+        feed.cancel()  # a slice fetched ahead stays unused, as a stopped worker's would
         await reports.settle()
         if self._finished():
             await self._land(model, optimizer, checkpoint_dir)  # the final fragment's update, if served
@@ -326,28 +332,13 @@ class DilocoTrainer:
                 next_batch_started=ahead,
             )
         except UnavailableError as exc:
-            _raise_if_bridge_gone(exc)
+            raise_if_bridge_gone(exc)
             logger.warning("progress report failed: %s; continuing", exc.message)
             return DirectiveKind.CONTINUE, 0
         return DirectiveKind.parse(directive.kind), max(0, int(directive.batches))
 
     def _finished(self) -> bool:
         return self.rounds > 0 and self.round_number >= self.rounds
-
-    async def _next_batch(self, stream: BatchStream) -> Batch | None:
-        """The next full batch, pulling slices as needed; a short one when the slices run dry."""
-        while (batch := stream.next_batch()) is None:
-            try:
-                info = await self.bridge.next_slice()
-            except UnavailableError as exc:
-                _raise_if_bridge_gone(exc)
-                logger.warning("no slice for now: %s", exc.message)
-                info = None
-            if info is None:
-                return stream.flush()
-            tensors = await asyncio.to_thread(load_slice_file, info.path)
-            stream.add_slice(int(info.index), tensors)
-        return batch
 
     async def _join(self) -> None:
         """Pull θ_global before training: this trainer is late, restarted, or has no fixed θ_0."""
@@ -443,7 +434,7 @@ class DilocoTrainer:
         try:
             await self.bridge.metrics(round_number, values)
         except UnavailableError as exc:  # figures are best effort; training goes on
-            _raise_if_bridge_gone(exc)
+            raise_if_bridge_gone(exc)
             logger.warning("metrics of round %d not delivered: %s", round_number, exc.message)
 
     # ---- streaming: one fragment per round, in flight while training goes on ---------------
@@ -538,7 +529,7 @@ class DilocoTrainer:
                 peer=self.ps, kind=DELTA, round=round_number, samples=samples, path=path
             )
         except UnavailableError as exc:
-            _raise_if_bridge_gone(exc)
+            raise_if_bridge_gone(exc)
             logger.warning("delta for round %d not delivered: %s", round_number, exc.message)
             return
         accepted, message = send_outcome(reply)
@@ -562,7 +553,7 @@ class DilocoTrainer:
                     peer=self.ps, kind=kind, round=round_number, timeout_s=self.options.fetch_timeout_s
                 )
             except UnavailableError as exc:  # the parameter server's worker is unreachable for now
-                _raise_if_bridge_gone(exc)
+                raise_if_bridge_gone(exc)
                 logger.warning("fetching %s of round %d: %s", kind, round_number, exc.message)
                 data = None
                 # A failure answers at once (unlike a fetch that waited): pause before the next try.
@@ -585,20 +576,6 @@ class _InFlight:
     task: asyncio.Task[tuple[dict[str, torch.Tensor] | None, int]]
     stats: RoundStats
     idle_s: float
-
-
-def _raise_if_bridge_gone(exc: UnavailableError) -> None:
-    """Re-raise when the job bridge itself cannot be reached: the worker is gone.
-
-    NOTE: the bridge is a local Unix socket, so a refused or missing
-    connection (an OSError behind the error, other than a timeout) does not
-    heal; carrying on would leave an orphaned executor retrying for as long as
-    its patience lasts. Failures the bridge reports (503: a peer or the
-    scheduler is unreachable) stay retryable.
-    """
-    cause = exc.__cause__
-    if isinstance(cause, OSError) and not isinstance(cause, TimeoutError):
-        raise exc
 
 
 def _sooner(countdown: int | None, other: int | None) -> int | None:

@@ -29,7 +29,7 @@ import torch
 from google.protobuf import json_format
 from torch import nn
 
-from hypha.errors import DataLossError, InvalidArgumentError
+from hypha.errors import DataLossError, InvalidArgumentError, UnavailableError
 from hypha.fsutil import write_atomic
 from hypha.models import ModelKind, batch_loss
 from hypha.tensors.deltas import DeltaEncoder
@@ -477,3 +477,17 @@ def _read_verified(path: Path, sha256: str) -> bytes:
     if hashlib.sha256(blob).hexdigest() != sha256:
         raise DataLossError(f"checkpoint file {path} does not match its sha256")
     return blob
+
+
+def raise_if_bridge_gone(exc: UnavailableError) -> None:
+    """Re-raise when the job bridge itself cannot be reached: the worker is gone.
+
+    NOTE: the bridge is a local Unix socket, so a refused or missing
+    connection (an OSError behind the error, other than a timeout) does not
+    heal; carrying on would leave an orphaned executor retrying for as long as
+    its patience lasts. Failures the bridge reports (503: a peer or the
+    scheduler is unreachable) stay retryable.
+    """
+    cause = exc.__cause__
+    if isinstance(cause, OSError) and not isinstance(cause, TimeoutError):
+        raise exc
