@@ -10,12 +10,11 @@ starting jobs never hold parts of the cluster from each other. RUNNING: progress
 answered by the job's planner (``hypha.scheduler.rounds``), slice requests by
 its ``SliceTracker`` (with the providers as ``PeerInfo``), metrics go to the
 store. A trainer that is lost (its lease lapsed) or fails gives its slices
-back and is replaced through the market; the replacement starts at the
-current round, pulling θ_global from the parameter server, which is
-re-dispatched with the new trainer list so it adopts the newcomer. ``ScaleJob``
-grows or shrinks a running job the same way (``hypha.scheduler.elastic``). The job
-ends when the parameter server reports success after the configured rounds:
-its result is pulled into the scheduler's state dir (``hypha.scheduler.results``).
+back and is replaced through the market (``hypha.scheduler.diloco_trainers``).
+``ScaleJob`` grows or shrinks a running job the same way
+(``hypha.scheduler.elastic``). The job ends when the parameter server reports
+success after the configured rounds: its result is pulled into the
+scheduler's state dir (``hypha.scheduler.results``).
 
 The parameter server is no single point of failure: each round's metrics
 report is its commit, answered once the scheduler holds the round's state
@@ -31,8 +30,6 @@ Decisions (NOTE):
 - Progress is written to the store at most every
   ``jobs.progress_store_interval_s`` (every batch of every trainer reports;
   watchers only need the latest), and always when a round completes.
-- The job goes back to ALLOCATING while a replacement is being leased, and
-  to RUNNING once no replacement is under way any more.
 - The run saves its own state (leases, trainers, slice assignments, rounds)
   in the store whenever it changes that much, so a restarted scheduler
   resumes the job (``hypha.scheduler.diloco_resume``).
@@ -44,8 +41,6 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Collection
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,18 +49,18 @@ import grpc
 from hypha.dht.records import ProviderRecord
 from hypha.errors import FailedPreconditionError, HyphaError
 from hypha.market.allocator import HeldLease
-from hypha.market.resources import Requirements
 from hypha.net.backoff import Backoff
 from hypha.scheduler import elastic
 from hypha.scheduler.diloco_resume import resume, snapshot
+from hypha.scheduler.diloco_trainers import Trainer, TrainerMembership
 from hypha.scheduler.lifecycle import JobState, Reason
 from hypha.scheduler.providers import DatasetProviders, provider_peer
 from hypha.scheduler.ps_recovery import ParameterServerRecovery
 from hypha.scheduler.ps_state import STATE_ROUND_KEY, StateKeeper
 from hypha.scheduler.results import ResultPullError, pull_result, result_dir, result_limits
 from hypha.scheduler.retry import Outcome, attempt_end
-from hypha.scheduler.rounds import Planner, PlannerFactory, Progress, batch_size_for
-from hypha.scheduler.runs import MAX_QUEUE_RETRY_S, JobFailed, RunRegistry, Shortfall, price_range
+from hypha.scheduler.rounds import Planner, PlannerFactory, Progress
+from hypha.scheduler.runs import MAX_QUEUE_RETRY_S, JobFailed, RunRegistry, Shortfall
 from hypha.scheduler.slices import SliceTracker
 from hypha.scheduler.store import JobRecord, WorkerMetric
 from hypha.scheduler.worker_calls import REFUSALS, describe
@@ -74,24 +69,7 @@ from hypha.v1 import common_pb2, scheduler_pb2, worker_pb2
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Trainer:
-    """One trainer of a DiLoCo job: its lease, batch size and the figures it last reported."""
-
-    worker_id: str
-    lease: HeldLease
-    batch_size: int
-    attempt: int
-    start_round: int
-    #: Join order within the job (shrinking releases the highest first).
-    joined: int = 0
-    finished: bool = False
-    samples: int = 0
-    samples_per_second: float = 0.0
-    loss: float = 0.0
-
-
-class DilocoRun(ParameterServerRecovery):
+class DilocoRun(TrainerMembership, ParameterServerRecovery):
     """A DiLoCo job while it runs (see the module docstring)."""
 
     kind = "diloco"
@@ -376,22 +354,6 @@ class DilocoRun(ParameterServerRecovery):
             raise
         return ps, trainers
 
-    async def lease_trainers(
-        self, count: int, *, exclude: Collection[str], what: str = "trainers", patience_s: float | None = None
-    ) -> list[HeldLease]:
-        """``count`` trainer leases by the job's requirements, price and policy (``lease_many``)."""
-        spec = self.diloco
-        return await self.runs.lease_many(
-            self,
-            Requirements.from_proto(spec.worker_requirements),
-            count,
-            price_range(spec.worker_price),
-            spec.selection_policy,
-            exclude=exclude,
-            what=what,
-            patience_s=patience_s,
-        )
-
     async def _save(self) -> None:
         """Save what resuming the job after a scheduler restart needs (``diloco_resume``); the
         snapshot is taken under the lock, so the newest one is always written last."""
@@ -413,32 +375,6 @@ class DilocoRun(ParameterServerRecovery):
             raise JobFailed(f"no data node serves dataset {dataset!r}")
         return records
 
-    def _add_trainer(self, lease: HeldLease, *, attempt: int, start_round: int) -> Trainer:
-        spec = self.diloco
-        capacity = self.runs.market.worker_capacity(lease.worker_id)
-        size = batch_size_for(
-            capacity if not capacity.is_zero() else lease.resources,
-            gpu_memory_per_sample_gb=spec.gpu_memory_per_sample_gb,
-            min_batch_size=int(spec.min_batch_size),
-            max_batch_size=int(spec.max_batch_size),
-        )
-        trainer = Trainer(lease.worker_id, lease, size, attempt, start_round, joined=self.joins)
-        self.joins += 1
-        self.trainers[lease.worker_id] = trainer
-        assert self.planner is not None
-        self.planner.add_worker(lease.worker_id, size)
-        return trainer
-
-    def _trainer_ids(self) -> list[str]:
-        return sorted(self.trainers)
-
-    async def _repoint_trainers(self) -> None:
-        """Every trainer still training learns the restored server (a second dispatch, same lease and
-        attempt); one that finished is left alone (a dispatch would start it again), and so is one
-        whose lease is not held (it is being replaced)."""
-        running = [t for t in self.trainers.values() if not t.finished and t.lease.lease_id in self.leases]
-        await asyncio.gather(*(self._dispatch_trainer(t) for t in running))
-
     def _worker_list(self) -> list[str]:
         return ([self.ps.worker_id] if self.ps is not None else []) + sorted(self.trainers)
 
@@ -459,110 +395,6 @@ class DilocoRun(ParameterServerRecovery):
                 attempt=self.ps_attempt,
             ),
         )
-
-    async def _update_ps(self) -> None:
-        """Tell the running parameter server the new trainer list (a second dispatch of the job).
-
-        A worker whose job manager cannot update a running execution answers
-        ALREADY_EXISTS: the parameter server then keeps the old list, refuses
-        the newcomer's deltas and completes each round with the remaining
-        trainers once ``round_timeout_s`` passed (``quorum``).
-        """
-        try:
-            async with self.ps_lock:
-                await self._dispatch_ps()
-        except grpc.aio.AioRpcError as err:
-            if err.code() != grpc.StatusCode.ALREADY_EXISTS:
-                raise
-            log.warning(
-                "job %s: the parameter server cannot take the new trainer list (%s); "
-                "rounds complete by quorum",
-                self.job_id,
-                describe(err),
-            )
-
-    async def _dispatch_trainer(self, trainer: Trainer) -> None:
-        assert self.ps is not None
-        market = self.runs.market
-        await self.runs.calls.dispatch(
-            trainer.worker_id,
-            worker_pb2.DispatchJobRequest(
-                job_id=self.job_id,
-                lease_id=trainer.lease.lease_id,
-                executor=common_pb2.EXECUTOR_KIND_DILOCO_TRAINER,
-                spec=self.spec,
-                parameter_server_id=self.ps.worker_id,
-                parameter_server_addresses=list(market.worker_addresses(self.ps.worker_id)),
-                scheduler_addresses=market.addresses(),
-                batch_size=trainer.batch_size,
-                attempt=trainer.attempt,
-                start_round=trainer.start_round,
-            ),
-        )
-
-    async def _replace_trainer(self, worker_id: str, why: str, *, lost: bool = False) -> None:
-        """A trainer is gone: its slices go back, a new worker takes its place at the current round.
-
-        ``lost``: its lease lapsed, so the worker is gone or cut off; it stops the
-        execution itself when the lease ends, and nobody waits on a cancel call to it.
-        """
-        trainer = self.trainers.pop(worker_id, None)
-        if trainer is None:
-            return
-        runs, store = self.runs, self.runs.store
-        log.warning("job %s: %s", self.job_id, why)
-        if self.tracker is not None:
-            self.tracker.worker_lost(worker_id)
-        if self.planner is not None:
-            self.planner.remove_worker(worker_id)
-        await runs.release_lease(self, trainer.lease, cancel=not lost)
-        if self.replacements_used >= runs.jobs_cfg.max_replacements:
-            self._end(False, f"{why}; no replacements left ({self.replacements_used} used)")
-            return
-        self.replacements_used += 1
-        self.replacements_under_way += 1
-        try:
-            with contextlib.suppress(HyphaError):
-                await store.transition(
-                    self.job_id,
-                    JobState.ALLOCATING,
-                    expected=JobState.RUNNING,
-                    reason=Reason.WORKER_LOST.format(worker=worker_id),
-                )
-            exclude = set(self.trainers) | ({self.ps.worker_id} if self.ps else set())
-            try:
-                leases = await self.lease_trainers(
-                    1,
-                    exclude=exclude,
-                    what="replacement trainers",
-                    patience_s=runs.jobs_cfg.replace_patience_s,
-                )
-            except JobFailed as err:
-                self._end(False, f"{why}; {err.message}")
-                return
-            if self.over:
-                await runs.release_lease(self, leases[0], cancel=False)
-                return
-            replacement = self._add_trainer(
-                leases[0], attempt=self.replacements_used, start_round=self.completed
-            )
-            await self._update_ps()
-            await self._dispatch_trainer(replacement)
-            await store.note(self.job_id, f"trainer {replacement.worker_id} replaces {worker_id}")
-            await self._save()
-        except (grpc.aio.AioRpcError, HyphaError) as err:
-            self._end(False, f"{why}; replacing it failed: {describe(err)}")
-        finally:
-            self.replacements_under_way -= 1
-            if self.replacements_under_way == 0:
-                with contextlib.suppress(HyphaError):
-                    await store.transition(
-                        self.job_id,
-                        JobState.RUNNING,
-                        expected=JobState.ALLOCATING,
-                        reason=f"training on {len(self.trainers)} workers",
-                        workers=self._worker_list(),
-                    )
 
     async def _store_progress(self, *, force: bool = False, message: str = "") -> None:
         now = self.runs.clock()
@@ -592,4 +424,4 @@ class DilocoRun(ParameterServerRecovery):
         return sum(live) / len(live) if live else None
 
 
-__all__ = ["DilocoRun", "Trainer"]
+__all__ = ["DilocoRun"]
