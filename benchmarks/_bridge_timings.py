@@ -6,8 +6,8 @@
 
 pyinstrument attributes the trainer's waits to ``epoll`` (its profiler starts outside the
 event loop), so this wraps ``BridgeClient._request`` per path, ``train_step`` and the
-checkpoint (``snapshot_trainer_state`` on the loop, ``write_trainer_state`` in its thread, off
-the training path), and appends a table to OUT_FILE when the process exits.
+checkpoint (``checkpoint_writer``: ``snapshot_trainer_state`` on the loop, ``write_trainer_state``
+in its thread, off the training path), and appends a table to OUT_FILE when the process exits.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hypha.bridge_client import client
-from hypha.worker.executors import diloco_trainer
+from hypha.worker.executors import checkpoint_writer, diloco_trainer
 
 TOTAL: collections.defaultdict[str, float] = collections.defaultdict(float)
 COUNT: collections.Counter[str] = collections.Counter()
@@ -54,9 +54,8 @@ def _install() -> None:
 
     client.BridgeClient._request = timed_request  # type: ignore[method-assign]
     diloco_trainer.train_step = _timed_call("train_step", diloco_trainer.train_step)
-    for name in ("snapshot_trainer_state", "write_trainer_state", "save_trainer_state"):
-        if hasattr(diloco_trainer, name):  # save_trainer_state: a trainer that still writes on the loop
-            setattr(diloco_trainer, name, _timed_call(name, getattr(diloco_trainer, name)))
+    for name in ("snapshot_trainer_state", "write_trainer_state"):  # where the trainer's writer calls them
+        setattr(checkpoint_writer, name, _timed_call(name, getattr(checkpoint_writer, name)))
 
 
 def _dump(out: Path) -> None:

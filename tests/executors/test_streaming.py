@@ -158,7 +158,7 @@ async def test_two_fragments_sync_half_the_model_each_overlapped_and_match_the_r
     for name, value in expected.items():
         assert torch.equal(theta_global[name], value), name  # same arithmetic, bit for bit
     for trainer in trainers.values():
-        for name, value in trainer._theta_global.items():
+        for name, value in trainer._global_sync.theta_global.items():
             assert torch.equal(value, theta_global[name]), name
         assert trainer.model is not None
         # The last fragment landed after the last step: the model holds its θ_global exactly.

@@ -256,7 +256,7 @@ async def test_a_trainer_resends_its_delta_until_the_update_comes(
 
     assert await asyncio.wait_for(task, 30) == 0
     assert trainer.round_number == 1
-    assert all(torch.equal(trainer._theta_global[n], theta[n]) for n in theta)
+    assert all(torch.equal(trainer._global_sync.theta_global[n], theta[n]) for n in theta)
 
 
 async def test_a_trainer_without_data_still_obeys_done(tmp_path: Path, gpt2_dir: Path) -> None:

@@ -18,7 +18,7 @@ One round, from the trainer's side:
    and set the model to it;
 3. checkpoint (model, inner optimizer, round) so a restarted trainer resumes
    here, then start the next round; the checkpoint is a copy of the state
-   written in a thread while that round trains (see the NOTE).
+   written in a thread while that round trains (``checkpoint_writer``).
 
 ``done``, or reaching the job's round count, ends the process with 0.
 
@@ -40,23 +40,13 @@ Decisions (NOTE):
 - A trainer joining late (``start_round`` > 0) or restarting pulls the
   current θ_global ("global") before its first step, and takes the round
   that state belongs to from the payload's metadata.
-- While waiting for an update the trainer re-sends its delta after each
-  fetch timeout: a parameter server that restarted lost the round in
-  progress and collects it afresh; a duplicate is ignored there.
-- After the final round's delta the trainer tries for the update only a few
-  times: the job's result lives at the parameter server, which may already be
-  gone.
+- Waiting for an update, the trainer re-sends its delta after each fetch
+  timeout; the final round's update it tries for only a few times
+  (``ps_link``).
 - ``sync_after K`` that arrives while counting down keeps the smaller count, so a
   scheduler that repeats its directive cannot postpone the sync forever.
-- The per-round checkpoint is written in the background: a copy of the state
-  is taken at the round boundary (a few ms) and serialised, hashed and
-  fsynced in a thread while the next round trains, which took 60-180 ms of
-  every round before (docs/performance.md). A crash before that write
-  commits leaves the previous round's checkpoint, as a crash during a
-  synchronous write did; the resumed trainer then pulls θ_global as any
-  restarted one does. Writes never overlap each other (each awaits the one
-  before), and the last one has committed before the trainer reports its
-  outcome.
+- The per-round checkpoint is written in the background, while the next
+  round trains (``checkpoint_writer``).
 - The bridge answering "unavailable" (the scheduler or the parameter server's
   worker cannot be reached for now) never ends the job: a progress report
   counts as ``continue``, a slice request as "no data yet", a delta or an
@@ -67,7 +57,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import sys
 import time
@@ -80,44 +69,30 @@ import torch
 from torch import nn
 
 from hypha import factories, models
-from hypha.diloco.streaming import fragments_for, rebase_fragment
 from hypha.directives import DirectiveKind
-from hypha.errors import HyphaError, InvalidArgumentError, UnavailableError
-from hypha.tensors.payload import read_metadata
-from hypha.worker.executors.reports import ReportPipe
+from hypha.errors import HyphaError, InvalidArgumentError
+from hypha.worker.executors.checkpoint_writer import CheckpointWriter
+from hypha.worker.executors.global_sync import FragmentUpdate, GlobalSync
+from hypha.worker.executors.ps_link import ParameterServerLink
+from hypha.worker.executors.reports import ReportPipe, RoundStats, report_metrics, report_progress
 from hypha.worker.executors.slice_feed import SliceFeed
 from hypha.worker.executors.training import (
-    DELTA,
-    GLOBAL,
-    GLOBAL_ROUND_KEY,
-    UPDATE,
     BatchStream,
     Bridge,
     InnerSettings,
     TrainerState,
-    apply_global,
     batch_rows,
-    compute_delta,
-    decode_global,
     delta_encoder,
     diloco_spec,
-    encode_delta,
     load_trainer_state,
     make_inner_optimizer,
-    parameter_state,
-    raise_if_bridge_gone,
-    send_outcome,
-    snapshot_trainer_state,
     to_device,
     train_step,
-    write_trainer_state,
 )
 
 logger = logging.getLogger("hypha.worker.executors.diloco_trainer")
 
 DEFAULT_BATCH_SIZE = 8
-#: Fetches of the final round's update before the trainer ends without it.
-FINAL_UPDATE_TRIES = 3
 
 
 @dataclass
@@ -136,21 +111,6 @@ class TrainerOptions:
     clock: Callable[[], float] = field(default=time.monotonic)
 
 
-@dataclass
-class RoundStats:
-    """What this worker did in the current round (reset at each sync)."""
-
-    batches: int = 0
-    samples: int = 0
-    loss_sum: float = 0.0
-    train_seconds: float = 0.0
-    last_batch_seconds: float = 0.0
-
-    @property
-    def mean_loss(self) -> float:
-        return self.loss_sum / self.batches if self.batches else math.nan
-
-
 class DilocoTrainer:
     """One trainer process's job, driven entirely through ``bridge``."""
 
@@ -163,18 +123,20 @@ class DilocoTrainer:
         #: Mean training loss of each completed round, in order (also reported as metrics).
         self.round_losses: list[float] = []
         self.model: nn.Module | None = None
-        self._theta_global: dict[str, torch.Tensor] = {}
-        #: Streaming fragments (parameter names), None for whole-model rounds.
-        self.fragments: list[list[str]] | None = None
-        #: Samples trained since each fragment's last sync (streaming: a fragment's Δ weight).
-        self._unsynced_samples: list[int] = []
+        #: θ_global and the exchange with the parameter server (set once the job is known).
+        self._global_sync: GlobalSync | None = None
         self._inflight: _InFlight | None = None
-        #: The checkpoint being written in a thread (see the module NOTE).
-        self._checkpointing: asyncio.Future[Path] | None = None
+        #: The per-round checkpoint, written in a thread (module NOTE).
+        self._checkpoints = CheckpointWriter()
         #: The progress report travelling while the next batch trains.
         self._reports = ReportPipe()
         #: Where batches come from (set once the job is known).
         self._feed: SliceFeed | None = None
+
+    @property
+    def fragments(self) -> list[list[str]] | None:
+        """Streaming fragments (parameter names), None for whole-model rounds."""
+        return None if self._global_sync is None else self._global_sync.fragments
 
     @property
     def streaming(self) -> bool:
@@ -190,7 +152,7 @@ class DilocoTrainer:
             if self._feed is not None:
                 self._feed.cancel()
             self._cancel_inflight()
-            await self._checkpoint_settled(quiet=True)
+            await self._checkpoints.settled(quiet=True)
             message = exc.message if isinstance(exc, HyphaError) else f"{type(exc).__name__}: {exc}"
             logger.error("trainer failed: %s", message)
             await self._report_failure(message)
@@ -226,12 +188,14 @@ class DilocoTrainer:
         model.to(device)
         self.model = model
         optimizer = make_inner_optimizer(model, InnerSettings.from_proto(spec.inner_optimizer))
-        self._theta_global = parameter_state(model)
-        self.fragments = fragments_for(self._theta_global, int(spec.streaming_fragments))
-        if self.fragments is None and spec.overlap_sync:
-            # Overlapped whole-model rounds: one fragment that is the whole model (module doc).
-            self.fragments = [list(self._theta_global)]
-        self._unsynced_samples = [0] * len(self.fragments or ())
+        self._global_sync = GlobalSync(
+            ParameterServerLink(bridge, self.ps, self.options),
+            self.encoder,
+            self.work_dir,
+            model,
+            int(spec.streaming_fragments),
+            overlap=spec.overlap_sync,
+        )
         checkpoint_dir = self.work_dir / "trainer-state"
         resumed = load_trainer_state(checkpoint_dir, model, optimizer)
         self.round_number = max(int(job.start_round), resumed.round_number if resumed else 0)
@@ -307,7 +271,7 @@ class DilocoTrainer:
             await self._land(model, optimizer, checkpoint_dir)  # the final fragment's update, if served
         else:
             self._cancel_inflight()  # told "done" early: the job needs nothing more from this trainer
-        await self._checkpoint_settled()
+        await self._checkpoints.settled()
         await bridge.status(
             "succeeded", f"trained to round {self.round_number}, {self.samples_total} samples"
         )
@@ -315,41 +279,22 @@ class DilocoTrainer:
     async def _report(
         self, stats: RoundStats, batch_size: int, *, ahead: bool = False
     ) -> tuple[DirectiveKind, int]:
-        """Report the round's progress; the scheduler's directive and its batch count.
-
-        ``ahead``: the next batch starts as this report leaves (``reports``).
-        An unreachable scheduler is not fatal: training continues and the next
-        report asks again.
-        """
-        try:
-            directive = await self.bridge.progress(
-                round=self.round_number,
-                batches=stats.batches,
-                samples=stats.samples,
-                loss=_finite(stats.mean_loss),
-                batch_seconds=stats.last_batch_seconds,
-                batch_size=batch_size,
-                next_batch_started=ahead,
-            )
-        except UnavailableError as exc:
-            raise_if_bridge_gone(exc)
-            logger.warning("progress report failed: %s; continuing", exc.message)
-            return DirectiveKind.CONTINUE, 0
-        return DirectiveKind.parse(directive.kind), max(0, int(directive.batches))
+        """Report the round's progress (``reports``); the scheduler's directive and its batch count."""
+        return await report_progress(self.bridge, self.round_number, stats, batch_size, ahead=ahead)
 
     def _finished(self) -> bool:
         return self.rounds > 0 and self.round_number >= self.rounds
 
+    def _final(self, round_number: int) -> bool:
+        """Whether ``round_number`` is the job's last (its update may no longer be served)."""
+        return self.rounds > 0 and round_number + 1 >= self.rounds
+
     async def _join(self) -> None:
         """Pull θ_global before training: this trainer is late, restarted, or has no fixed θ_0."""
-        data = await self._await_tensors(GLOBAL, self.round_number, resend=None)
-        assert self.model is not None
-        params = decode_global(data, self._theta_global)
-        apply_global(self.model, params)
-        self._theta_global = params
-        meta_round = read_metadata(data).get(GLOBAL_ROUND_KEY)
-        if meta_round is not None and meta_round.isdigit():
-            self.round_number = max(self.round_number, int(meta_round))
+        assert self.model is not None and self._global_sync is not None
+        meta_round = await self._global_sync.join(self.model, self.round_number)
+        if meta_round is not None:
+            self.round_number = max(self.round_number, meta_round)
         logger.info("joined at round %d with the parameter server's θ_global", self.round_number)
 
     async def _sync(
@@ -358,84 +303,21 @@ class DilocoTrainer:
         if self.streaming:
             await self._sync_fragment(stats, model, optimizer, checkpoint_dir)
             return
+        assert self._global_sync is not None
         sync_started = time.perf_counter()
-        delta_bytes = 0
         round_number = self.round_number
-        delta_path: Path | None = None
-        if stats.samples > 0:
-            delta = compute_delta(model, self._theta_global)
-            blob = await asyncio.to_thread(encode_delta, delta, self.encoder, round_number, stats.samples)
-            del delta
-            delta_bytes = len(blob)
-            delta_path = self.work_dir / f"delta-{round_number:08d}.safetensors"
-            await asyncio.to_thread(delta_path.write_bytes, blob)
-            del blob
-            await self._send_delta(delta_path, round_number, stats.samples)
-        final = self.rounds > 0 and round_number + 1 >= self.rounds
-        resend = None if delta_path is None else (delta_path, stats.samples)
-        try:
-            data = await self._await_tensors(
-                UPDATE, round_number, resend=resend, tries=FINAL_UPDATE_TRIES if final else None
-            )
-        except UnavailableError:
-            if not final:
-                raise
-            logger.info(
-                "no update for the final round %d; the result is at the parameter server", round_number
-            )
-            data = None
-        if data is not None:
-            params = decode_global(data, self._theta_global)
-            apply_global(model, params)
-            self._theta_global = params
-        if delta_path is not None:
-            delta_path.unlink(missing_ok=True)
+        delta_bytes = await self._global_sync.sync_model(
+            model, round_number, stats.samples, final=self._final(round_number)
+        )
         self.samples_total += stats.samples
         self.round_losses.append(stats.mean_loss)
-        await self._round_metrics(round_number, stats, time.perf_counter() - sync_started, delta_bytes)
+        await report_metrics(
+            self.bridge, round_number, stats, time.perf_counter() - sync_started, delta_bytes
+        )
         self.round_number = round_number + 1
-        await self._checkpoint(
+        await self._checkpoints.write(
             checkpoint_dir, model, optimizer, TrainerState(self.round_number, self.samples_total)
         )
-
-    async def _checkpoint(
-        self, checkpoint_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState
-    ) -> None:
-        """Start writing a copy of the state in a thread, once the previous write is done (NOTE)."""
-        await self._checkpoint_settled()
-        model_state, optimizer_state = snapshot_trainer_state(model, optimizer)
-        self._checkpointing = asyncio.ensure_future(
-            asyncio.to_thread(write_trainer_state, checkpoint_dir, model_state, optimizer_state, state)
-        )
-
-    async def _checkpoint_settled(self, *, quiet: bool = False) -> None:
-        """Wait for the checkpoint being written, if any; ``quiet`` logs its failure instead of raising."""
-        pending, self._checkpointing = self._checkpointing, None
-        if pending is None:
-            return
-        try:
-            await pending
-        except Exception as exc:  # the trainer is failing already when quiet; its reason comes first
-            if not quiet:
-                raise
-            logger.warning("trainer checkpoint not written: %s", exc)
-
-    async def _round_metrics(
-        self, round_number: int, stats: RoundStats, idle_s: float, delta_bytes: int
-    ) -> None:
-        values = {
-            "loss": _finite(stats.mean_loss),
-            "batches": float(stats.batches),
-            "samples": float(stats.samples),
-            "samples_per_second": stats.samples / stats.train_seconds if stats.train_seconds else 0.0,
-            "sync_idle_seconds": idle_s,
-            "delta_bytes": float(delta_bytes),
-        }
-        try:
-            await self.bridge.metrics(round_number, values)
-        except UnavailableError as exc:  # figures are best effort; training goes on
-            raise_if_bridge_gone(exc)
-            logger.warning("metrics of round %d not delivered: %s", round_number, exc.message)
 
     # ---- streaming: one fragment per round, in flight while training goes on ---------------
 
@@ -443,7 +325,7 @@ class DilocoTrainer:
         self, stats: RoundStats, model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: Path
     ) -> None:
         """Send round r's fragment in the background; idle only while the previous one lands."""
-        assert self.fragments is not None
+        assert self._global_sync is not None
         sync_started = time.perf_counter()
         if self._inflight is not None:  # at most one fragment in flight: wait for the previous one
             await asyncio.wait([self._inflight.task])
@@ -451,15 +333,9 @@ class DilocoTrainer:
         await self._land(model, optimizer, checkpoint_dir)  # its checkpoint is not idle time (as for rounds)
         sync_started = time.perf_counter()
         round_number = self.round_number
-        fragment = round_number % len(self.fragments)
-        names = self.fragments[fragment]
-        self._unsynced_samples = [n + stats.samples for n in self._unsynced_samples]
-        samples, self._unsynced_samples[fragment] = self._unsynced_samples[fragment], 0
-        params = dict(model.named_parameters())
-        sent = {n: params[n].detach().to(device="cpu", dtype=torch.float32, copy=True) for n in names}
-        delta = {n: sent[n] - self._theta_global[n] for n in names}
-        final = self.rounds > 0 and round_number + 1 >= self.rounds
-        task = asyncio.create_task(self._exchange_fragment(round_number, names, delta, samples, final))
+        sent, task = self._global_sync.send_fragment(
+            model, round_number, stats.samples, final=self._final(round_number)
+        )
         # The round's metrics go out when it lands (its delta's size is known then).
         self._inflight = _InFlight(
             round_number, sent, task, stats, waited_s + time.perf_counter() - sync_started
@@ -468,52 +344,17 @@ class DilocoTrainer:
         self.round_losses.append(stats.mean_loss)
         self.round_number = round_number + 1
 
-    async def _exchange_fragment(
-        self, round_number: int, names: list[str], delta: dict[str, torch.Tensor], samples: int, final: bool
-    ) -> tuple[dict[str, torch.Tensor] | None, int]:
-        """Encode, send and await one fragment's update.
-
-        Returns its new θ_global (None: the final round's, not served) and the Δ's size in bytes.
-        """
-        path: Path | None = None
-        size = 0
-        if samples > 0:
-            blob = await asyncio.to_thread(encode_delta, delta, self.encoder, round_number, samples)
-            size = len(blob)
-            path = self.work_dir / f"delta-{round_number:08d}.safetensors"
-            await asyncio.to_thread(path.write_bytes, blob)
-            del blob, delta
-            await self._send_delta(path, round_number, samples)
-        try:
-            data = await self._await_tensors(
-                UPDATE,
-                round_number,
-                resend=None if path is None else (path, samples),
-                tries=FINAL_UPDATE_TRIES if final else None,
-            )
-        except UnavailableError:
-            if not final:
-                raise
-            logger.info(
-                "no update for the final round %d; the result is at the parameter server", round_number
-            )
-            return None, size
-        finally:
-            if path is not None:
-                path.unlink(missing_ok=True)
-        return decode_global(data, {n: self._theta_global[n] for n in names}), size
-
     async def _land(self, model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: Path) -> None:
         """Wait for the fragment in flight (if any), merge its θ_global, report its round, checkpoint."""
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return
         params, size = await inflight.task
-        await self._round_metrics(inflight.round_number, inflight.stats, inflight.idle_s, size)
+        await report_metrics(self.bridge, inflight.round_number, inflight.stats, inflight.idle_s, size)
         if params is not None:
-            rebase_fragment(dict(model.named_parameters()), inflight.sent, params)
-            self._theta_global.update(params)
-        await self._checkpoint(
+            assert self._global_sync is not None
+            self._global_sync.merge_fragment(model, inflight.sent, params)
+        await self._checkpoints.write(
             checkpoint_dir, model, optimizer, TrainerState(inflight.round_number + 1, self.samples_total)
         )
 
@@ -522,50 +363,6 @@ class DilocoTrainer:
             self._inflight.task.cancel()
             self._inflight = None
 
-    async def _send_delta(self, path: Path, round_number: int, samples: int) -> None:
-        """Send Δ; a failure is logged, not raised (the wait for the update sends it again)."""
-        try:
-            reply = await self.bridge.send_tensors(
-                peer=self.ps, kind=DELTA, round=round_number, samples=samples, path=path
-            )
-        except UnavailableError as exc:
-            raise_if_bridge_gone(exc)
-            logger.warning("delta for round %d not delivered: %s", round_number, exc.message)
-            return
-        accepted, message = send_outcome(reply)
-        if not accepted:
-            logger.warning("delta for round %d not delivered: %s", round_number, message)
-
-    async def _await_tensors(
-        self, kind: str, round_number: int, *, resend: tuple[Path, int] | None, tries: int | None = None
-    ) -> bytes:
-        """Fetch ``kind`` for the round from the parameter server, re-sending the delta between tries.
-
-        Gives up (UnavailableError) after ``tries`` fetches, or once ``update_patience_s`` is spent.
-        """
-        deadline = self.options.clock() + self.options.update_patience_s
-        attempt = 0
-        pause_s = self.options.idle_min_s
-        while True:
-            attempt += 1
-            try:
-                data = await self.bridge.fetch_tensors(
-                    peer=self.ps, kind=kind, round=round_number, timeout_s=self.options.fetch_timeout_s
-                )
-            except UnavailableError as exc:  # the parameter server's worker is unreachable for now
-                raise_if_bridge_gone(exc)
-                logger.warning("fetching %s of round %d: %s", kind, round_number, exc.message)
-                data = None
-                # A failure answers at once (unlike a fetch that waited): pause before the next try.
-                await asyncio.sleep(pause_s)
-                pause_s = min(pause_s * 2, self.options.idle_max_s)
-            if data is not None:
-                return data
-            if (tries is not None and attempt >= tries) or self.options.clock() >= deadline:
-                raise UnavailableError(f"no {kind} for round {round_number} from the parameter server")
-            if resend is not None:
-                await self._send_delta(resend[0], round_number, resend[1])
-
 
 @dataclass
 class _InFlight:
@@ -573,7 +370,7 @@ class _InFlight:
 
     round_number: int
     sent: dict[str, torch.Tensor]
-    task: asyncio.Task[tuple[dict[str, torch.Tensor] | None, int]]
+    task: asyncio.Task[FragmentUpdate]
     stats: RoundStats
     idle_s: float
 
@@ -583,10 +380,6 @@ def _sooner(countdown: int | None, other: int | None) -> int | None:
     if countdown is None:
         return other
     return countdown if other is None else min(countdown, other)
-
-
-def _finite(value: float) -> float:
-    return value if math.isfinite(value) else 0.0
 
 
 async def _main() -> int:

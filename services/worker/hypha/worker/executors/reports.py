@@ -1,4 +1,4 @@
-"""Progress reports that travel while the next batch trains.
+"""A trainer's reports: progress after each batch, sent while the next one trains; each round's metrics.
 
 A trainer reports after every batch and the scheduler answers with a
 directive. Waiting for that answer before the next batch put a bridge round
@@ -18,15 +18,88 @@ What that changes, and why it is safe:
   already synced) costs one batch.
 - One report is in flight at a time; while it is unanswered the next batch's
   report is skipped, and the one after carries the newer cumulative figures.
+
+An unreachable scheduler is not fatal: a progress report counts as
+``continue``, and a round's metrics are best effort.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from hypha.directives import DirectiveKind
+from hypha.errors import UnavailableError
+from hypha.worker.executors.training import Bridge, raise_if_bridge_gone
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundStats:
+    """What this worker did in the current round (reset at each sync)."""
+
+    batches: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    train_seconds: float = 0.0
+    last_batch_seconds: float = 0.0
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.batches if self.batches else math.nan
+
+
+async def report_progress(
+    bridge: Bridge, round_number: int, stats: RoundStats, batch_size: int, *, ahead: bool = False
+) -> tuple[DirectiveKind, int]:
+    """Report the round's progress; the scheduler's directive and its batch count.
+
+    ``ahead``: the next batch starts as this report leaves (the pipe below).
+    An unreachable scheduler is not fatal: training continues and the next
+    report asks again.
+    """
+    try:
+        directive = await bridge.progress(
+            round=round_number,
+            batches=stats.batches,
+            samples=stats.samples,
+            loss=finite(stats.mean_loss),
+            batch_seconds=stats.last_batch_seconds,
+            batch_size=batch_size,
+            next_batch_started=ahead,
+        )
+    except UnavailableError as exc:
+        raise_if_bridge_gone(exc)
+        logger.warning("progress report failed: %s; continuing", exc.message)
+        return DirectiveKind.CONTINUE, 0
+    return DirectiveKind.parse(directive.kind), max(0, int(directive.batches))
+
+
+async def report_metrics(
+    bridge: Bridge, round_number: int, stats: RoundStats, idle_s: float, delta_bytes: int
+) -> None:
+    """Send a round's metrics, with the time training stood still at its sync and its Δ's size."""
+    values = {
+        "loss": finite(stats.mean_loss),
+        "batches": float(stats.batches),
+        "samples": float(stats.samples),
+        "samples_per_second": stats.samples / stats.train_seconds if stats.train_seconds else 0.0,
+        "sync_idle_seconds": idle_s,
+        "delta_bytes": float(delta_bytes),
+    }
+    try:
+        await bridge.metrics(round_number, values)
+    except UnavailableError as exc:  # figures are best effort; training goes on
+        raise_if_bridge_gone(exc)
+        logger.warning("metrics of round %d not delivered: %s", round_number, exc.message)
+
+
+def finite(value: float) -> float:
+    return value if math.isfinite(value) else 0.0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,151 @@
+"""θ_global on the trainer's side: pulled when it joins, Δ out and the update back at each sync.
+
+The trainer (``diloco_trainer``) decides when to sync and keeps each round's
+books (samples, metrics, checkpoint); ``GlobalSync`` holds the last θ_global
+the parameter server sent and moves the tensors, through a
+``ps_link.ParameterServerLink``:
+
+- ``join``: the current θ_global ("global") into the model;
+- ``sync_model``, a whole-model round: Δ = θ_local - θ_global for the
+  round's samples is encoded with the job's codec (``delta_dtype``; int8 and
+  top-k keep the compression residual, docs/compression.md), sent, and the
+  round's update replaces the model's parameters;
+- streaming (``fragments``): ``send_fragment`` takes round r's fragment
+  (r mod F) and its Δ, with the samples since its last sync, and sends it in
+  a background task that returns the fragment's new θ_global;
+  ``merge_fragment`` merges that into the model (``rebase_fragment``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hypha.diloco.streaming import fragments_for, rebase_fragment
+from hypha.tensors.deltas import DeltaEncoder
+from hypha.tensors.payload import read_metadata
+from hypha.worker.executors.ps_link import ParameterServerLink
+from hypha.worker.executors.training import (
+    GLOBAL,
+    GLOBAL_ROUND_KEY,
+    apply_global,
+    compute_delta,
+    decode_global,
+    encode_delta,
+    parameter_state,
+)
+
+#: What a fragment's exchange returns: its new θ_global (None: the final round's, not
+#: served) and the Δ's size in bytes.
+FragmentUpdate = tuple[dict[str, torch.Tensor] | None, int]
+
+
+class GlobalSync:
+    """θ_global and the Δ/update exchange of one trainer's model."""
+
+    def __init__(
+        self,
+        link: ParameterServerLink,
+        encoder: DeltaEncoder,
+        work_dir: Path,
+        model: nn.Module,
+        streaming_fragments: int,
+        overlap: bool,
+    ) -> None:
+        self.link = link
+        self.encoder = encoder
+        self.work_dir = work_dir
+        self.theta_global: dict[str, torch.Tensor] = parameter_state(model)
+        #: Streaming fragments (parameter names), None for whole-model rounds.
+        self.fragments = fragments_for(self.theta_global, streaming_fragments)
+        if self.fragments is None and overlap:
+            # Overlapped whole-model rounds: one fragment that is the whole model (trainer's module doc).
+            self.fragments = [list(self.theta_global)]
+        #: Samples trained since each fragment's last sync (streaming: a fragment's Δ weight).
+        self._unsynced_samples = [0] * len(self.fragments or ())
+
+    async def join(self, model: nn.Module, round_number: int) -> int | None:
+        """Set the model to the current θ_global; the round it belongs to, from its metadata (if said)."""
+        data = await self.link.fetch(GLOBAL, round_number, resend=None)
+        params = decode_global(data, self.theta_global)
+        apply_global(model, params)
+        self.theta_global = params
+        meta_round = read_metadata(data).get(GLOBAL_ROUND_KEY)
+        return int(meta_round) if meta_round is not None and meta_round.isdigit() else None
+
+    async def sync_model(self, model: nn.Module, round_number: int, samples: int, *, final: bool) -> int:
+        """Send Δ (when ``samples``), wait for the round's update and set the model to it; Δ's size."""
+        delta_bytes = 0
+        delta_path: Path | None = None
+        if samples > 0:
+            delta = compute_delta(model, self.theta_global)
+            blob = await asyncio.to_thread(encode_delta, delta, self.encoder, round_number, samples)
+            del delta
+            delta_bytes = len(blob)
+            delta_path = self.work_dir / f"delta-{round_number:08d}.safetensors"
+            await asyncio.to_thread(delta_path.write_bytes, blob)
+            del blob
+            await self.link.send_delta(delta_path, round_number, samples)
+        resend = None if delta_path is None else (delta_path, samples)
+        data = await self.link.fetch_update(round_number, resend=resend, final=final)
+        if data is not None:
+            params = decode_global(data, self.theta_global)
+            apply_global(model, params)
+            self.theta_global = params
+        if delta_path is not None:
+            delta_path.unlink(missing_ok=True)
+        return delta_bytes
+
+    # ---- streaming: one fragment per round, in flight while training goes on ---------------
+
+    def send_fragment(
+        self, model: nn.Module, round_number: int, round_samples: int, *, final: bool
+    ) -> tuple[dict[str, torch.Tensor], asyncio.Task[FragmentUpdate]]:
+        """Start round r's fragment exchange in the background: the local values sent, and the task."""
+        assert self.fragments is not None
+        fragment = round_number % len(self.fragments)
+        names = self.fragments[fragment]
+        self._unsynced_samples = [n + round_samples for n in self._unsynced_samples]
+        samples, self._unsynced_samples[fragment] = self._unsynced_samples[fragment], 0
+        params = dict(model.named_parameters())
+        sent = {n: params[n].detach().to(device="cpu", dtype=torch.float32, copy=True) for n in names}
+        delta = {n: sent[n] - self.theta_global[n] for n in names}
+        task = asyncio.create_task(self._exchange_fragment(round_number, names, delta, samples, final))
+        return sent, task
+
+    async def _exchange_fragment(
+        self, round_number: int, names: list[str], delta: dict[str, torch.Tensor], samples: int, final: bool
+    ) -> FragmentUpdate:
+        """Encode, send and await one fragment's update.
+
+        Returns its new θ_global (None: the final round's, not served) and the Δ's size in bytes.
+        """
+        path: Path | None = None
+        size = 0
+        if samples > 0:
+            blob = await asyncio.to_thread(encode_delta, delta, self.encoder, round_number, samples)
+            size = len(blob)
+            path = self.work_dir / f"delta-{round_number:08d}.safetensors"
+            await asyncio.to_thread(path.write_bytes, blob)
+            del blob, delta
+            await self.link.send_delta(path, round_number, samples)
+        try:
+            data = await self.link.fetch_update(
+                round_number, resend=None if path is None else (path, samples), final=final
+            )
+        finally:
+            if path is not None:
+                path.unlink(missing_ok=True)
+        if data is None:
+            return None, size
+        return decode_global(data, {n: self.theta_global[n] for n in names}), size
+
+    def merge_fragment(
+        self, model: nn.Module, sent: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
+    ) -> None:
+        """Merge a fragment's new θ_global into the model, keeping the steps taken since ``sent``."""
+        rebase_fragment(dict(model.named_parameters()), sent, params)
+        self.theta_global.update(params)
