@@ -20,7 +20,11 @@ ROWS = 6  # per slice
 
 
 class SliceBridge:
-    """The two bridge calls a feed makes, recorded; ``next_slice`` waits on ``gate`` when set."""
+    """The two bridge calls a feed makes, recorded; ``next_slice`` waits on ``gate`` when set.
+
+    Like the scheduler, it assigns a worker at most two slices not yet reported used, and
+    answers "none for now" beyond that (``most_held`` records the most it ever saw held).
+    """
 
     def __init__(self, paths: list[Path]) -> None:
         self.paths = paths
@@ -30,6 +34,7 @@ class SliceBridge:
         self.gate: asyncio.Event | None = None
         self.fail_next: BaseException | None = None
         self.used_fails: BaseException | None = None
+        self.most_held = 0
 
     async def next_slice(self) -> SliceInfo | None:
         self.calls.append("next_slice")
@@ -38,7 +43,9 @@ class SliceBridge:
             raise error
         if self.gate is not None:
             await self.gate.wait()
-        if self.handed >= len(self.paths):
+        held = self.handed - sum(map(len, self.used))
+        self.most_held = max(self.most_held, held)
+        if self.handed >= len(self.paths) or held >= 2:
             return None
         self.handed += 1
         return SliceInfo(self.handed - 1, 0, self.paths[self.handed - 1])
@@ -75,6 +82,41 @@ async def test_the_next_slice_is_fetched_while_the_batch_before_it_trains(paths:
     assert second is not None and bridge.calls == ["next_slice", "next_slice"]
     rows = [int(v) for b in (first, second) for v in b["x"].flatten()]
     assert rows == list(range(8))  # in order, across the slice boundary
+
+
+@pytest.mark.parametrize("batch", [1, 4, 5, 7])
+async def test_driven_as_the_trainer_does_every_batch_is_full_and_the_allowance_holds(
+    paths: list[Path], batch: int
+) -> None:
+    # Prepare
+    bridge = SliceBridge(paths)
+    feed = feed_of(bridge, batch)
+
+    # Execute: the trainer's loop (next batch, fetch ahead, train, tell used)
+    sizes: list[int] = []
+    rows: list[int] = []
+    while (got := await feed.next_batch()) is not None:
+        feed.fetch_ahead()
+        await asyncio.sleep(0)  # the batch "trains" while the fetch runs
+        sizes.append(len(got["x"]))
+        rows += [int(v) for v in got["x"].flatten()]
+        await feed.tell_used()
+    await feed.settle()
+
+    # Assert: all 18 rows once and in order, short only at the very end, never 3 slices held
+    assert rows == list(range(3 * ROWS))
+    assert all(size == batch for size in sizes[:-1]) and 0 < sizes[-1] <= batch
+    assert [index for told in bridge.used for index in told] == [0, 1, 2]
+    assert bridge.most_held <= 2
+
+
+async def test_nothing_is_fetched_ahead_while_two_slices_are_held(paths: list[Path]) -> None:
+    bridge = SliceBridge(paths)
+    feed = feed_of(bridge, batch=8)
+    await feed.next_batch()  # needs slices 0 and 1: 4 rows of slice 1 left, slice 0 not told yet
+    feed.fetch_ahead()
+    await asyncio.sleep(0)
+    assert bridge.calls == ["next_slice", "next_slice"]
 
 
 async def test_nothing_is_fetched_ahead_while_two_batches_are_left(paths: list[Path]) -> None:

@@ -8,12 +8,17 @@ small model's round on a 2-core machine (docs/performance.md). So:
 
 - the next slice is fetched and loaded as soon as the batch after the one
   about to train would need it, while that batch trains; at most one slice is
-  fetched ahead. A slice fetched ahead is assigned to this worker a few
-  batches early, as the one in use already is: a worker that stops leaves it
-  unused, and the scheduler hands unused slices out again;
+  fetched ahead, and only while the trainer holds at most one other: the
+  scheduler assigns a worker at most two slices at a time (its prefetch
+  allowance, ``hypha.scheduler.slices``) and answers "none for now" beyond
+  that, which must not end a batch short. A slice fetched ahead is assigned a
+  few batches early, as the one in use already is: a worker that stops leaves
+  it unused, and the scheduler hands a lost worker's slices out again;
 - used slices are told in the background, one call at a time and in order;
-  ``settle`` waits for the call in flight (before a round's last report, so
-  the scheduler sees the round's slices with it) and raises its failure.
+  every slice request waits for the call in flight first (the bridge passes
+  used slices on with its next request, so the allowance is freed in time),
+  and ``settle`` waits for it before a round's last report, so the scheduler
+  sees the round's slices with it; a failed call is raised there.
 
 An unreachable scheduler is not fatal: a slice request counts as "no data for
 now" and the trainer asks again later.
@@ -48,15 +53,19 @@ class SliceFeed:
         """The next full batch, pulling slices as needed; a short one (or None) when they run dry."""
         while (batch := self.stream.next_batch()) is None:
             ahead, self._ahead = self._ahead, None
-            got = await (ahead if ahead is not None else self._fetch())
+            got = await ahead if ahead is not None else None
+            if got is None:  # nothing fetched ahead, or its "none for now" may be stale: ask now
+                got = await self._fetch()
             if got is None:
                 return self.stream.flush()
             self.stream.add_slice(*got)
         return batch
 
     def fetch_ahead(self) -> None:
-        """Start fetching the next slice if the batch after the next one would need it."""
-        if self._ahead is None and self.stream.pending_rows < 2 * self.stream.batch_size:
+        """Start fetching the next slice if the batch after the next one would need it (and the
+        trainer holds at most one slice, so the fetch stays within the scheduler's allowance)."""
+        stream = self.stream
+        if self._ahead is None and stream.held_slices <= 1 and stream.pending_rows < 2 * stream.batch_size:
             self._ahead = asyncio.create_task(self._fetch(), name="slice-ahead")
 
     async def tell_used(self) -> None:
@@ -84,6 +93,7 @@ class SliceFeed:
         self._ahead = self._telling = None
 
     async def _fetch(self) -> Slice | None:
+        await self.settle()  # used slices reach the bridge before it asks for the next one
         try:
             info = await self.bridge.next_slice()
         except UnavailableError as exc:

@@ -247,6 +247,12 @@ class BatchStream:
     def pending_rows(self) -> int:
         return sum(batch_rows(tensors) - offset for _, tensors, offset in self._pending)
 
+    @property
+    def held_slices(self) -> int:
+        """Slices this stream holds that the scheduler still counts as assigned: those with rows
+        left, and those used up but not yet handed out by ``take_consumed``."""
+        return len(self._pending) + len(self._consumed)
+
     def add_slice(self, index: int, tensors: Mapping[str, torch.Tensor]) -> None:
         selected = {k: v for k, v in tensors.items() if self._keys is None or k in self._keys}
         if not selected:
