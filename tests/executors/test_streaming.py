@@ -95,6 +95,21 @@ class _GatedServerBridge(FakeBridge):
         return await super().inbox(kind, timeout_s)
 
 
+def _gated_job(
+    network: FakeNetwork, batches: dict[str, int], rounds: int
+) -> tuple[ParameterServer, dict[str, _TrainerBridge], dict[str, DilocoTrainer]]:
+    """The job's executors: trainers syncing after ``batches`` each, and a server that takes no
+    delta of round r before t0 trains in round r+1 (``_GatedServerBridge``)."""
+    network.policy = sync_every(batches)
+    progress = _Rounds()
+    ps_bridge = _GatedServerBridge(network, progress, waits_for="t0", last_round=rounds - 1)
+    ps = ParameterServer(ps_bridge, options=ServerOptions(poll_s=0.05, linger_s=0.0))
+    ps_bridge.server = ps
+    bridges = {peer: _TrainerBridge(network, peer, progress) for peer in batches}
+    options = TrainerOptions(fetch_timeout_s=10.0, update_patience_s=60.0)
+    return ps, bridges, {peer: DilocoTrainer(b, options=options) for peer, b in bridges.items()}
+
+
 def _reference(
     theta0: Mapping[str, torch.Tensor], fragments: list[list[str]], network: FakeNetwork, rounds: int
 ) -> dict[str, torch.Tensor]:
@@ -121,14 +136,7 @@ async def test_two_fragments_sync_half_the_model_each_overlapped_and_match_the_r
         slices=slices,
     )
     network.spec.diloco.streaming_fragments = 2
-    network.policy = sync_every(batches)
-    progress = _Rounds()
-    ps_bridge = _GatedServerBridge(network, progress, waits_for="t0", last_round=rounds - 1)
-    ps = ParameterServer(ps_bridge, options=ServerOptions(poll_s=0.05, linger_s=0.0))
-    ps_bridge.server = ps
-    bridges = {peer: _TrainerBridge(network, peer, progress) for peer in batches}
-    options = TrainerOptions(fetch_timeout_s=10.0, update_patience_s=60.0)
-    trainers = {peer: DilocoTrainer(b, options=options) for peer, b in bridges.items()}
+    ps, bridges, trainers = _gated_job(network, batches, rounds)
 
     # Execute
     codes = await asyncio.wait_for(asyncio.gather(ps.run(), *(t.run() for t in trainers.values())), 120)
@@ -202,14 +210,7 @@ async def test_overlap_sync_keeps_training_while_whole_model_rounds_travel(
         slices=slices,
     )
     network.spec.diloco.overlap_sync = True
-    network.policy = sync_every(batches)
-    progress = _Rounds()
-    ps_bridge = _GatedServerBridge(network, progress, waits_for="t0", last_round=rounds - 1)
-    ps = ParameterServer(ps_bridge, options=ServerOptions(poll_s=0.05, linger_s=0.0))
-    ps_bridge.server = ps
-    bridges = {peer: _TrainerBridge(network, peer, progress) for peer in batches}
-    options = TrainerOptions(fetch_timeout_s=10.0, update_patience_s=60.0)
-    trainers = {peer: DilocoTrainer(b, options=options) for peer, b in bridges.items()}
+    ps, _, trainers = _gated_job(network, batches, rounds)
 
     # Execute
     codes = await asyncio.wait_for(asyncio.gather(ps.run(), *(t.run() for t in trainers.values())), 120)
