@@ -197,6 +197,25 @@ async def test_malformed_requests_are_400(harness: Harness) -> None:
     assert harness.link.progress_reports == []
 
 
+async def test_integers_beyond_their_protobuf_fields_are_400_and_nothing_is_kept(harness: Harness) -> None:
+    # A round is a uint32 and samples a uint64 in the report forwarded: a larger number is the
+    # caller's mistake (400), not a failure of the bridge (it was a 500, found by the REST fuzzer).
+    body = {"round": 2**32, "batches": 1, "samples": 1}
+    async with harness.raw.post("/v1/progress", json=body) as response:
+        assert response.status == 400
+        assert "'round' must be an integer from 0 to 4294967295" in (await response.json())["error"]
+    async with harness.raw.post("/v1/progress", json={**body, "round": 1, "samples": 2**64}) as response:
+        assert response.status == 400
+    async with harness.raw.post("/v1/slices/used", json={"indices": [1, 2**32]}) as response:
+        assert response.status == 400
+    assert harness.link.progress_reports == []
+    # The largest values that fit are taken.
+    async with harness.raw.post("/v1/progress", json={**body, "round": 2**32 - 1, "samples": 2**64 - 1}):
+        pass
+    assert [(r.round, r.samples) for r in harness.link.progress_reports] == [(2**32 - 1, 2**64 - 1)]
+    assert harness.bridge._used == []
+
+
 async def test_openapi_document_covers_every_route(harness: Harness) -> None:
     async with harness.raw.get("/v1/openapi.json") as response:
         served = await response.json()

@@ -38,6 +38,8 @@ from hypha.errors import (
 )
 from hypha.v1 import common_pb2, scheduler_pb2
 from hypha.worker.bridge_http import (
+    UINT32_MAX,
+    UINT64_MAX,
     bind_unix_socket,
     errors_middleware,
     json_bool,
@@ -332,9 +334,9 @@ class JobBridge:
         data = await self._body(request)
         indices = data.get("indices")
         if not isinstance(indices, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in indices
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= UINT32_MAX for i in indices
         ):
-            raise InvalidArgumentError("'indices' must be a list of non-negative integers")
+            raise InvalidArgumentError(f"'indices' must be a list of integers from 0 to {UINT32_MAX}")
         self._used.extend(indices)
         for index in indices:
             placed = self._slice_files.pop(index, None)
@@ -348,7 +350,7 @@ class JobBridge:
             job_id=self.job_id,
             round=json_int(data, "round"),
             batches=json_int(data, "batches"),
-            samples=json_int(data, "samples"),
+            samples=json_int(data, "samples", maximum=UINT64_MAX),
             loss=json_float(data, "loss", 0.0),
             batch_seconds=json_float(data, "batch_seconds", 0.0),
             batch_size=json_int(data, "batch_size", 0),
@@ -413,7 +415,7 @@ class JobBridge:
                         self.ctx.dispatch.addresses_of(peer),
                         json_str(data, "kind"),
                         json_int(data, "round", 0),
-                        json_int(data, "samples", 0),
+                        json_int(data, "samples", 0, UINT64_MAX),
                         path,
                     ),
                 )
@@ -439,7 +441,7 @@ class JobBridge:
             json_str(data, "kind"),
             json_int(data, "round", 0),
             path,
-            samples=json_int(data, "samples", 0),
+            samples=json_int(data, "samples", 0, UINT64_MAX),
         )
         return web.json_response({})
 

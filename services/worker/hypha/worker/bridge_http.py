@@ -115,10 +115,16 @@ async def errors_middleware(
         return error_response(500, "internal error")
 
 
-def json_int(data: dict[str, Any], key: str, default: int | None = None) -> int:
+#: The largest values of the protobuf fields the bridge's integers go into.
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+
+
+def json_int(data: dict[str, Any], key: str, default: int | None = None, maximum: int = UINT32_MAX) -> int:
+    """An integer in 0..``maximum`` (the protobuf field it goes into: uint32 unless said)."""
     value = data.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgumentError(f"{key!r} must be a non-negative integer")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= maximum:
+        raise InvalidArgumentError(f"{key!r} must be an integer from 0 to {maximum}")
     return value
 
 

@@ -29,7 +29,8 @@ def _json(description: str, properties: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-_INT = {"type": "integer", "minimum": 0}
+_INT = {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}  # uint32 fields
+_U64 = {"type": "integer", "minimum": 0, "maximum": 2**64 - 1}  # uint64 fields (samples)
 _STR = {"type": "string"}
 _NUM = {"type": "number"}
 _PATH = {"type": "string", "description": "a path inside the job's work dir (relative or absolute)"}
@@ -37,7 +38,7 @@ _TENSOR_HEADERS = {
     "X-Hypha-From": {"schema": _STR, "description": "peer id of the sender (from its TLS session)"},
     "X-Hypha-Kind": {"schema": _STR},
     "X-Hypha-Round": {"schema": _INT},
-    "X-Hypha-Samples": {"schema": _INT},
+    "X-Hypha-Samples": {"schema": _U64},
 }
 _SAFETENSORS = {
     "description": "a complete, checksum-verified SafeTensors payload",
@@ -106,7 +107,7 @@ OPENAPI: dict[str, Any] = {
                     {
                         "round": _INT,
                         "batches": _INT,
-                        "samples": _INT,
+                        "samples": _U64,
                         "loss": _NUM,
                         "batch_seconds": _NUM,
                         "batch_size": _INT,
@@ -149,7 +150,7 @@ OPENAPI: dict[str, Any] = {
             "post": {
                 "summary": "stream a SafeTensors file to a peer's Worker.PushTensors (retried if broken)",
                 "requestBody": _body(
-                    {"peer": _STR, "kind": _STR, "round": _INT, "samples": _INT, "path": _PATH},
+                    {"peer": _STR, "kind": _STR, "round": _INT, "samples": _U64, "path": _PATH},
                     ["peer", "kind", "path"],
                 ),
                 "responses": {
@@ -172,7 +173,7 @@ OPENAPI: dict[str, Any] = {
             "post": {
                 "summary": "serve a SafeTensors file to peers pulling (job, kind, round)",
                 "requestBody": _body(
-                    {"kind": _STR, "round": _INT, "path": _PATH, "samples": _INT}, ["kind", "path"]
+                    {"kind": _STR, "round": _INT, "path": _PATH, "samples": _U64}, ["kind", "path"]
                 ),
                 "responses": {"200": _EMPTY, **_ERRORS},
             }
