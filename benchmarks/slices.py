@@ -48,18 +48,15 @@ SAMPLES_PER_SLICE = 4
 
 
 async def _serve_ours(pki_dir: Path, data_dir: Path) -> None:
-    from hypha.data.servicer import DataNodeServicer, DatasetCatalog
+    from hypha.data.servicer import DataNodeServicer, DatasetCatalog, add_data_node_servicer
     from hypha.memtune import tune_malloc
     from hypha.net.server import NodeServer
     from hypha.net.tls import PathsTls, TlsMaterial
-    from hypha.v1 import data_pb2_grpc
 
     tune_malloc()  # as the data node process does (hypha.cli.node)
     tls = TlsMaterial.load(PathsTls.from_certs_dir(pki_dir, "data"))
     servicer = DataNodeServicer(DatasetCatalog(data_dir))
-    server = NodeServer(
-        tls, "127.0.0.1:0", [(data_pb2_grpc.add_DataNodeServicer_to_server, servicer, "hypha.v1.DataNode")]
-    )
+    server = NodeServer(tls, "127.0.0.1:0", [(add_data_node_servicer, servicer, "hypha.v1.DataNode")])
     port = await server.start()
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -115,17 +112,16 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 async def _ours_round(channels: list[Any], plan: list[list[int]]) -> float:
     from hypha.tensors.chunks import ChunkAssembler, ChunkFeeder
-    from hypha.v1 import data_pb2, data_pb2_grpc
+    from hypha.v1 import data_pb2
+    from hypha.worker.fetcher import stream_slice
 
     async def reader(channel: Any, indices: list[int]) -> int:
-        stub = data_pb2_grpc.DataNodeStub(channel)
+        call = stream_slice(channel)  # the worker's SliceFetcher's call
         total = 0
         for index in indices:
             assembler = ChunkAssembler(max_bytes=64 * MIB)
-            feeder = ChunkFeeder(assembler)  # as the worker's SliceFetcher does
-            async for chunk in stub.StreamSlice(
-                data_pb2.StreamSliceRequest(dataset=DATASET, index=index), timeout=60
-            ):
+            feeder = ChunkFeeder(assembler)  # as the SliceFetcher does
+            async for chunk in call(data_pb2.StreamSliceRequest(dataset=DATASET, index=index), timeout=60):
                 await feeder.feed(chunk)
             await feeder.flush()
             total += len(assembler.finish())

@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from hypha.data.servicer import DataNodeServicer, DatasetCatalog
+from hypha.data.servicer import DataNodeServicer, DatasetCatalog, add_data_node_servicer
 from hypha.data.slices import FileStamp
 from hypha.datasets.format import CONTENT_TYPE, Dataset
 from hypha.datasets.prepare import write_dataset
@@ -51,9 +51,7 @@ async def data_node(
     """A real data node server on 127.0.0.1:0 serving ``data_dir``."""
     options.setdefault("chunk_bytes", CHUNK)
     servicer = DataNodeServicer(DatasetCatalog(data_dir), **options)
-    server = NodeServer(
-        tls, "127.0.0.1:0", [(data_pb2_grpc.add_DataNodeServicer_to_server, servicer, "hypha.v1.DataNode")]
-    )
+    server = NodeServer(tls, "127.0.0.1:0", [(add_data_node_servicer, servicer, "hypha.v1.DataNode")])
     await server.start()
     try:
         yield server, servicer

@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import IO, NoReturn
+from typing import IO, NoReturn, Protocol
 
 from hypha.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from hypha.v1 import common_pb2
@@ -81,6 +81,26 @@ def split_payload(
         offset = end
 
 
+class ChunkLike(Protocol):
+    """What an assembler reads of a chunk: a ``common_pb2.Chunk``, or a ``ChunkView`` whose data
+    is a view of the received bytes (``hypha.tensors.chunk_frames``)."""
+
+    @property
+    def offset(self) -> int: ...
+    @property
+    def total_size(self) -> int: ...
+    @property
+    def content_type(self) -> str: ...
+    @property
+    def metadata(self) -> Mapping[str, str]: ...
+    @property
+    def last(self) -> bool: ...
+    @property
+    def sha256(self) -> str: ...
+    @property
+    def data(self) -> bytes | memoryview: ...
+
+
 class AssemblyState(StrEnum):
     """Where an assembler stands; ``failed`` and ``finished`` are terminal."""
 
@@ -124,7 +144,7 @@ class ChunkAssembler:
         self.received = 0
         self.content_type = ""
         self.metadata: dict[str, str] = {}
-        self._parts: list[bytes] = []
+        self._parts: list[bytes | memoryview] = []
         self._digest = hashlib.sha256()
         self._failure = ""
 
@@ -133,7 +153,7 @@ class ChunkAssembler:
         """True once the last chunk arrived and the payload verified."""
         return self.state is AssemblyState.VERIFIED
 
-    def feed(self, chunk: common_pb2.Chunk) -> None:
+    def feed(self, chunk: ChunkLike) -> None:
         """Take the next chunk; raise (and poison the assembler) if it breaks the stream's rules."""
         if self.state is AssemblyState.FAILED:
             raise FailedPreconditionError(f"chunk stream already refused: {self._failure}")
@@ -222,7 +242,7 @@ class ChunkAssembler:
             )
         )
 
-    def _start(self, chunk: common_pb2.Chunk) -> None:
+    def _start(self, chunk: ChunkLike) -> None:
         declared = chunk.total_size
         if declared > self.max_bytes:
             self._fail(
@@ -279,7 +299,7 @@ class ChunkAssembler:
 _THREAD_FEED_BYTES = 64 << 10
 
 
-async def feed_off_loop(assembler: ChunkAssembler, chunk: common_pb2.Chunk) -> None:
+async def feed_off_loop(assembler: ChunkAssembler, chunk: ChunkLike) -> None:
     """``assembler.feed(chunk)``, in a worker thread for a large chunk once the stream started.
 
     A cancelled caller waits for the thread to finish its chunk (a thread cannot be
@@ -306,7 +326,7 @@ class ChunkFeeder:
         self.assembler = assembler
         self._pending: asyncio.Future[None] | None = None
 
-    async def feed(self, chunk: common_pb2.Chunk) -> None:
+    async def feed(self, chunk: ChunkLike) -> None:
         await self.flush()
         if len(chunk.data) < _THREAD_FEED_BYTES or self.assembler.state is not AssemblyState.RECEIVING:
             self.assembler.feed(chunk)

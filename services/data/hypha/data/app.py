@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from hypha.data.config import DataNodeSection, DataNodeSettings
-from hypha.data.servicer import DataNodeServicer, DatasetCatalog
+from hypha.data.servicer import DataNodeServicer, DatasetCatalog, add_data_node_servicer
 from hypha.dht.node import DhtNode
 from hypha.dht.publisher import Publisher
 from hypha.dht.records import RecordVerifier
@@ -28,7 +28,6 @@ from hypha.net.server import ServiceBinding
 from hypha.net.tls import TlsMaterial
 from hypha.node import Node
 from hypha.service import BackgroundTasks, Service
-from hypha.v1 import data_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +137,7 @@ def build(settings: DataNodeSettings, tls: TlsMaterial) -> DataNode:
         stream_wait_s=cfg.stream_wait_s,
         trust_verified_s=cfg.trust_verified_s,
     )
-    bindings: list[ServiceBinding] = [
-        (data_pb2_grpc.add_DataNodeServicer_to_server, servicer, "hypha.v1.DataNode")
-    ]
+    bindings: list[ServiceBinding] = [(add_data_node_servicer, servicer, "hypha.v1.DataNode")]
     node = DataNode.from_settings(settings, tls, bindings, grace_s=cfg.grace_s)
     node.catalog = catalog
     node.servicer = servicer

@@ -19,6 +19,8 @@ the first chunk of every stream carries ``total_size`` (the whole slice),
 ``content_type`` and metadata (``dataset``, ``index``, ``sha256``, ``samples``);
 the last carries the sha256 of the *whole* slice and ``last=True``. A resume
 at ``offset == total_size`` is one empty chunk that is both first and last.
+Chunks leave pre-encoded, their data copied once (``hypha.tensors.chunk_frames``,
+``add_data_node_servicer``); the bytes are the same message either way.
 """
 
 from __future__ import annotations
@@ -38,12 +40,14 @@ from hypha.data.slices import SliceReader, VerifiedFiles
 from hypha.datasets.format import CONTENT_TYPE, DEFAULT_CHUNK_SIZE, MANIFEST_NAME, Dataset, scan_data_dir
 from hypha.errors import DataLossError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from hypha.net.auth import peer_identity
+from hypha.net.wire import frame_bytes
+from hypha.tensors.chunk_frames import encode_chunk
 from hypha.v1 import common_pb2, data_pb2, data_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-#: Called before each chunk is sent, with (dataset, index, chunk). A seam for
-#: fault injection in tests and for telemetry; it may await, and whatever it
+#: Called before each chunk is sent, with (dataset, index, chunk header: the chunk without its
+#: data). A seam for fault injection in tests and for telemetry; it may await, and whatever it
 #: raises ends the stream like any handler error.
 ChunkHook = Callable[[str, int, common_pb2.Chunk], Awaitable[None]]
 
@@ -160,7 +164,8 @@ class DataNodeServicer(data_pb2_grpc.DataNodeServicer):
 
     async def StreamSlice(
         self, request: data_pb2.StreamSliceRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[common_pb2.Chunk]:
+    ) -> AsyncIterator[bytes]:
+        """The slice's chunks, each pre-encoded (``add_data_node_servicer`` passes them through)."""
         dataset = await self.catalog.get(request.dataset)
         index, offset = request.index, request.offset
         async with self._slot(dataset.name, index):
@@ -182,11 +187,11 @@ class DataNodeServicer(data_pb2_grpc.DataNodeServicer):
                 )
             try:
                 async with aclosing(_chunk_messages(dataset, index, offset, reader)) as chunks:
-                    async for chunk in chunks:
+                    async for header, data in chunks:
                         if self.chunk_hook is not None:
-                            await self.chunk_hook(dataset.name, index, chunk)
-                        self.stats["bytes"] += len(chunk.data)
-                        yield chunk
+                            await self.chunk_hook(dataset.name, index, header)
+                        self.stats["bytes"] += len(data)
+                        yield encode_chunk(header, data)
             except DataLossError as err:
                 self.stats["refused_corrupt"] += 1
                 log.error("stopped serving %s slice %d: %s", dataset.name, index, err.message)
@@ -214,9 +219,10 @@ class DataNodeServicer(data_pb2_grpc.DataNodeServicer):
 
 async def _chunk_messages(
     dataset: Dataset, index: int, offset: int, reader: SliceReader
-) -> AsyncGenerator[common_pb2.Chunk, None]:
-    """The stream's chunks. The next one is read (and hashed) in a worker thread while the
-    caller sends this one; closing the generator waits for that read, then closes the reader."""
+) -> AsyncGenerator[tuple[common_pb2.Chunk, bytes], None]:
+    """The stream's chunks as (header, data). The next one is read (and hashed) in a worker
+    thread while the caller sends this one; closing the generator waits for that read, then
+    closes the reader."""
     size = dataset.slice_size(index)
     sha = dataset.slice_sha256(index)
     metadata = {
@@ -231,7 +237,7 @@ async def _chunk_messages(
     try:
         while (data := await pending) is not None:
             pending = asyncio.ensure_future(asyncio.to_thread(reader.next_chunk))
-            chunk = common_pb2.Chunk(offset=position, data=data)
+            chunk = common_pb2.Chunk(offset=position)
             position += len(data)
             if first:
                 chunk.total_size = size
@@ -241,7 +247,7 @@ async def _chunk_messages(
             if position >= size:
                 chunk.last = True
                 chunk.sha256 = sha
-            yield chunk
+            yield chunk, data
     finally:
         # A thread cannot be stopped: the read in flight finishes before the file is closed.
         await asyncio.wait([pending])
@@ -249,7 +255,7 @@ async def _chunk_messages(
             pending.exception()  # retrieved: the stream already ended for its own reason
         reader.close()
     if first:  # resumed at the very end: nothing left but the verdict
-        yield common_pb2.Chunk(
+        header = common_pb2.Chunk(
             offset=position,
             total_size=size,
             content_type=CONTENT_TYPE,
@@ -257,3 +263,23 @@ async def _chunk_messages(
             last=True,
             sha256=sha,
         )
+        yield header, b""
+
+
+def add_data_node_servicer(servicer: DataNodeServicer, server: grpc.aio.Server) -> None:
+    """``add_DataNodeServicer_to_server`` with ``StreamSlice``'s chunks sent as the pre-encoded
+    bytes the servicer yields (``frame_bytes``)."""
+    handlers = {
+        "ListDatasets": grpc.unary_unary_rpc_method_handler(
+            servicer.ListDatasets,
+            request_deserializer=data_pb2.ListDatasetsRequest.FromString,
+            response_serializer=data_pb2.ListDatasetsResponse.SerializeToString,
+        ),
+        "StreamSlice": grpc.unary_stream_rpc_method_handler(
+            servicer.StreamSlice,
+            request_deserializer=data_pb2.StreamSliceRequest.FromString,
+            response_serializer=frame_bytes,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("hypha.v1.DataNode", handlers),))
+    server.add_registered_method_handlers("hypha.v1.DataNode", handlers)

@@ -55,8 +55,9 @@ from hypha.net.backoff import Backoff
 from hypha.net.channel import secure_channel
 from hypha.net.tls import TlsMaterial
 from hypha.service import Resource
+from hypha.tensors.chunk_frames import ChunkView, parse_chunk
 from hypha.tensors.chunks import ChunkAssembler, ChunkFeeder
-from hypha.v1 import common_pb2, data_pb2, data_pb2_grpc
+from hypha.v1 import common_pb2, data_pb2
 from hypha.worker.pinned_manifests import PinnedManifests, PinnedProvider, common_pin
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,16 @@ class PeerChannels(Protocol):
     async def channel(self, peer_id: str, addresses: list[str]) -> Any: ...
 
     async def invalidate(self, peer_id: str) -> None: ...
+
+
+def stream_slice(channel: Any) -> Any:
+    """``DataNode.StreamSlice`` on ``channel`` (direct or relayed), its chunks read as
+    ``ChunkView``s: their data stays in the received bytes, protobuf copies none of it."""
+    return channel.unary_stream(
+        "/hypha.v1.DataNode/StreamSlice",
+        request_serializer=data_pb2.StreamSliceRequest.SerializeToString,
+        response_deserializer=parse_chunk,
+    )
 
 
 class _AttemptError(Exception):
@@ -369,8 +380,7 @@ class SliceFetcher(Resource):
             channel = await self._channel(provider)
         except Exception as err:  # a connect callable may fail in its own ways
             raise _AttemptError(f"cannot connect: {err}") from None
-        stub = data_pb2_grpc.DataNodeStub(channel)
-        call = stub.StreamSlice(
+        call = stream_slice(channel)(
             data_pb2.StreamSliceRequest(dataset=dataset, index=index, offset=offset),
             timeout=self.stream_timeout_s,
         )
@@ -390,7 +400,7 @@ class SliceFetcher(Resource):
                     raise _AttemptError(
                         f"stream ended after {assembler.received} bytes without its last chunk"
                     )
-                assert isinstance(chunk, common_pb2.Chunk)
+                assert isinstance(chunk, ChunkView)
                 if first:
                     self._check_version(chunk, partial, expected, offset)
                     first = False
@@ -419,7 +429,7 @@ class SliceFetcher(Resource):
             await feeder.settle()  # the partial's byte count is final before a resume reads it
 
     @staticmethod
-    def _check_version(chunk: common_pb2.Chunk, partial: _Partial, expected: str, offset: int) -> None:
+    def _check_version(chunk: ChunkView, partial: _Partial, expected: str, offset: int) -> None:
         """A provider that serves another version of the slice is skipped before its bytes are used."""
         served = chunk.metadata.get("sha256", "").lower()
         if expected and served and served != expected:
@@ -431,7 +441,7 @@ class SliceFetcher(Resource):
             partial.sha256 = served
 
     @staticmethod
-    def _check_final_sha(chunk: common_pb2.Chunk, partial: _Partial, expected: str) -> None:
+    def _check_final_sha(chunk: ChunkView, partial: _Partial, expected: str) -> None:
         final = chunk.sha256.lower()
         if expected and final != expected:
             raise _AttemptError(
