@@ -99,6 +99,7 @@ def _receiver_server(tls: Any, receiver: Any, work_dir: Path) -> Any:
     from hypha.worker.job_manager import JobManager
     from hypha.worker.jobs_config import JobsSection
     from hypha.worker.jobs_servicer import WorkerJobs, WorkerJobsMixin
+    from hypha.worker.tensor_frames import add_worker_servicer
 
     def no_scheduler(dispatch: object) -> Any:
         raise AssertionError("the benchmark dispatches no job")
@@ -110,9 +111,7 @@ def _receiver_server(tls: Any, receiver: Any, work_dir: Path) -> Any:
         def __init__(self) -> None:
             self.jobs = jobs
 
-    return NodeServer(
-        tls, "127.0.0.1:0", [(worker_pb2_grpc.add_WorkerServicer_to_server, PsWorker(), "hypha.v1.Worker")]
-    )
+    return NodeServer(tls, "127.0.0.1:0", [(add_worker_servicer, PsWorker(), "hypha.v1.Worker")])
 
 
 async def serve_receiver(pki_dir: Path, sha256: str) -> None:

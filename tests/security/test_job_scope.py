@@ -23,6 +23,7 @@ from hypha.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hypha.worker.execution_state import ExecutionRecord, JobDispatch
 from hypha.worker.job_scope import JobOwners
 from hypha.worker.jobs_servicer import WorkerJobs, WorkerJobsMixin
+from hypha.worker.tensor_frames import add_worker_servicer
 from hypha.worker.transfer import TensorExchange, TransferSettings
 from tests.conftest import Pki
 
@@ -88,7 +89,7 @@ async def ps_worker(pki: Pki) -> AsyncIterator[Cluster]:
     server = NodeServer(
         pki.issue("worker", "scope-ps"),
         "127.0.0.1:0",
-        [(worker_pb2_grpc.add_WorkerServicer_to_server, Worker(jobs), "hypha.v1.Worker")],
+        [(add_worker_servicer, Worker(jobs), "hypha.v1.Worker")],
     )
     async with server:
         yield Cluster(server, exchange, live, pki)

@@ -27,6 +27,7 @@ from hypha.worker.job_manager import JobManager
 from hypha.worker.jobs_config import JobsSection
 from hypha.worker.jobs_servicer import WorkerJobs, WorkerJobsMixin
 from hypha.worker.scheduler_link import LogForwarder
+from hypha.worker.tensor_frames import add_worker_servicer
 from hypha.worker.transfer import TensorExchange, TransferSettings
 from tests.conftest import Pki
 from tests.helpers import eventually
@@ -47,13 +48,11 @@ class JobsWorker(WorkerJobsMixin, worker_pb2_grpc.WorkerServicer):
 class BrokenFirstAttempt(TensorExchange):
     """Named fault: the first push stream stops after two chunks, as if the connection died."""
 
-    def _outgoing(
-        self, attempt: int, messages: AsyncIterator[worker_pb2.TensorChunk]
-    ) -> AsyncIterator[worker_pb2.TensorChunk]:
+    def _outgoing(self, attempt: int, messages: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         if attempt > 0:
             return messages
 
-        async def cut() -> AsyncIterator[worker_pb2.TensorChunk]:
+        async def cut() -> AsyncIterator[bytes]:
             sent = 0
             async for message in messages:
                 yield message
@@ -84,7 +83,7 @@ async def start_node(tls: TlsMaterial, tmp_path: Path, exchange: TensorExchange)
     server = NodeServer(
         tls,
         "127.0.0.1:0",
-        [(worker_pb2_grpc.add_WorkerServicer_to_server, JobsWorker(jobs), "hypha.v1.Worker")],
+        [(add_worker_servicer, JobsWorker(jobs), "hypha.v1.Worker")],
     )
     await server.start()
     connector = PeerConnector(tls, None)
@@ -304,7 +303,7 @@ async def test_push_through_the_relay_when_no_address_answers(pki: Pki, tmp_path
     b_relay.serve(
         [
             (
-                worker_pb2_grpc.add_WorkerServicer_to_server,
+                add_worker_servicer,
                 JobsWorker(WorkerJobs(manager, b_exchange, lease_ok=lambda lease, s: True)),
                 "hypha.v1.Worker",
             )

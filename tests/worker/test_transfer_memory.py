@@ -117,6 +117,7 @@ async def _receive(pki_dir: Path, spool: Path) -> None:
     from hypha.net.tls import PathsTls
     from hypha.v1 import worker_pb2_grpc
     from hypha.worker.jobs_servicer import WorkerJobs, WorkerJobsMixin
+    from hypha.worker.tensor_frames import add_worker_servicer
 
     exchange = TensorExchange(None, TransferSettings(memory_payload_bytes=BOUND, spool_dir=spool))
     exchange.open_job("job-m")
@@ -129,9 +130,7 @@ async def _receive(pki_dir: Path, spool: Path) -> None:
             self.jobs.manager = SimpleNamespace(live_dispatches=lambda job_id: [])  # type: ignore[assignment]
 
     tls = TlsMaterial.load(PathsTls.from_certs_dir(pki_dir, "worker"))
-    server = NodeServer(
-        tls, "127.0.0.1:0", [(worker_pb2_grpc.add_WorkerServicer_to_server, PushOnly(), "hypha.v1.Worker")]
-    )
+    server = NodeServer(tls, "127.0.0.1:0", [(add_worker_servicer, PushOnly(), "hypha.v1.Worker")])
     port = await server.start()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(port, flush=True)

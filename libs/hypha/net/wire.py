@@ -19,9 +19,10 @@ passes pre-encoded bytes through and serializes messages as usual.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import grpc
 from google.protobuf.message import Message
 
 #: What a piece may be: bytes, or a byte-format memoryview (``len`` is its size in bytes).
@@ -142,4 +143,41 @@ def frame_bytes(frame: Any) -> bytes:
     return data
 
 
-__all__ = ["Encoded", "field_number", "frame_bytes", "split_field", "varint"]
+#: A generated ``add_<Service>Servicer_to_server`` function, or one like it.
+AddServicer = Callable[[Any, Any], None]
+
+
+class _Registration:
+    """Stands in for a server while generated code registers a service's method handlers."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, dict[str, Any]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the generated code registers the same handlers by name as well
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.services[service] = dict(handlers)
+
+
+def with_codecs(add_servicer: AddServicer, codecs: Mapping[str, Mapping[str, Any]]) -> AddServicer:
+    """``add_servicer`` with the named methods' (de)serializers replaced, e.g.
+    ``{"StreamSlice": {"response_serializer": frame_bytes}}``: the streams that move large
+    payloads send pre-encoded frames and read their payloads as views, the rest stay generated.
+    Works for a ``grpc.aio.Server`` and for anything that takes handlers the same way (the relay)."""
+
+    def add(servicer: Any, server: Any) -> None:
+        registration = _Registration()
+        add_servicer(servicer, registration)
+        for service, handlers in registration.services.items():
+            unknown = set(codecs) - set(handlers)
+            if unknown:
+                raise KeyError(f"{service} has no method {sorted(unknown)}")
+            recoded = {name: h._replace(**codecs.get(name, {})) for name, h in handlers.items()}
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, recoded),))
+            server.add_registered_method_handlers(service, recoded)
+
+    return add
+
+
+__all__ = ["AddServicer", "Encoded", "field_number", "frame_bytes", "split_field", "varint", "with_codecs"]

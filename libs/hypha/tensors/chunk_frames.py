@@ -63,13 +63,13 @@ class ChunkView:
         return self.header.sha256
 
 
-def parse_chunk(raw: bytes) -> ChunkView:
+def parse_chunk(raw: bytes | memoryview) -> ChunkView:
     """Response deserializer of chunk streams. Bytes that are not plain wire format with one
     ``data`` field are parsed by protobuf as a whole, and refused the same way
     (``google.protobuf.message.DecodeError``)."""
     split = split_field(memoryview(raw), _DATA)
     if split is None:
-        message = common_pb2.Chunk.FromString(raw)
+        message = common_pb2.Chunk.FromString(bytes(raw))
         whole = memoryview(message.data)
         message.ClearField("data")
         return ChunkView(message, whole)

@@ -40,7 +40,7 @@ from hypha.data.slices import SliceReader, VerifiedFiles
 from hypha.datasets.format import CONTENT_TYPE, DEFAULT_CHUNK_SIZE, MANIFEST_NAME, Dataset, scan_data_dir
 from hypha.errors import DataLossError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from hypha.net.auth import peer_identity
-from hypha.net.wire import frame_bytes
+from hypha.net.wire import frame_bytes, with_codecs
 from hypha.tensors.chunk_frames import encode_chunk
 from hypha.v1 import common_pb2, data_pb2, data_pb2_grpc
 
@@ -266,20 +266,8 @@ async def _chunk_messages(
         yield header, b""
 
 
-def add_data_node_servicer(servicer: DataNodeServicer, server: grpc.aio.Server) -> None:
-    """``add_DataNodeServicer_to_server`` with ``StreamSlice``'s chunks sent as the pre-encoded
-    bytes the servicer yields (``frame_bytes``)."""
-    handlers = {
-        "ListDatasets": grpc.unary_unary_rpc_method_handler(
-            servicer.ListDatasets,
-            request_deserializer=data_pb2.ListDatasetsRequest.FromString,
-            response_serializer=data_pb2.ListDatasetsResponse.SerializeToString,
-        ),
-        "StreamSlice": grpc.unary_stream_rpc_method_handler(
-            servicer.StreamSlice,
-            request_deserializer=data_pb2.StreamSliceRequest.FromString,
-            response_serializer=frame_bytes,
-        ),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("hypha.v1.DataNode", handlers),))
-    server.add_registered_method_handlers("hypha.v1.DataNode", handlers)
+#: ``add_DataNodeServicer_to_server`` with ``StreamSlice``'s chunks sent as the pre-encoded bytes
+#: the servicer yields.
+add_data_node_servicer = with_codecs(
+    data_pb2_grpc.add_DataNodeServicer_to_server, {"StreamSlice": {"response_serializer": frame_bytes}}
+)

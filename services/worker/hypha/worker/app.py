@@ -32,7 +32,6 @@ from hypha.net.relay import Relay
 from hypha.net.tls import TlsMaterial
 from hypha.node import Node
 from hypha.service import Service
-from hypha.v1 import worker_pb2_grpc
 from hypha.worker import resources
 from hypha.worker.config import WorkerSettings
 from hypha.worker.execution_state import JobDispatch
@@ -43,6 +42,7 @@ from hypha.worker.market import WorkerMarket
 from hypha.worker.metrics import WorkerMetrics
 from hypha.worker.scheduler_link import GrpcSchedulerLink, SchedulerLink
 from hypha.worker.servicer import WorkerServicer
+from hypha.worker.tensor_frames import add_worker_servicer
 from hypha.worker.transfer import TensorExchange
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def build(settings: WorkerSettings, tls: TlsMaterial) -> WorkerNode:
         await manager.cancel_jobs_for_lease(lease.lease_id, f"lease {lease.lease_id} ended", expired=expired)
 
     market.on_lease_end.append(lease_ended)
-    bindings = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "hypha.v1.Worker")]
+    bindings = [(add_worker_servicer, servicer, "hypha.v1.Worker")]
     node = WorkerNode.from_settings(settings, tls, bindings, grace_s=cfg.grace_s)
     market.addresses = lambda: node.addresses
     node.link, node.relay, node.connector, node.market, node.servicer, node.manager = (

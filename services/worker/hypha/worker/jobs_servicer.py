@@ -34,6 +34,7 @@ from hypha.v1 import worker_pb2
 from hypha.worker.execution_state import ExecutionRecord, JobDispatch
 from hypha.worker.job_manager import JobManager
 from hypha.worker.job_scope import JobOwners, check_member
+from hypha.worker.tensor_frames import Pushed
 from hypha.worker.transfer import TensorExchange
 
 #: Tensor kind of a parameter server's packed state (``executors.parameter_server.STATE_KIND``).
@@ -108,7 +109,7 @@ class WorkerJobs:
         return status_proto(self.manager.get(request.job_id))
 
     async def PushTensors(
-        self, request_iterator: AsyncIterator[worker_pb2.TensorChunk], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[Pushed], context: grpc.aio.ServicerContext
     ) -> worker_pb2.PushTensorsResponse:
         sender = peer_identity(context)
         messages = self._checked(request_iterator, sender.peer_id, sender.role is Role.SCHEDULER)
@@ -116,7 +117,7 @@ class WorkerJobs:
 
     async def PullTensors(
         self, request: worker_pb2.PullTensorsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[worker_pb2.TensorChunk]:
+    ) -> AsyncIterator[bytes]:
         caller = peer_identity(context)  # authenticated workers and schedulers (the guard checks)
         if caller.role is Role.SCHEDULER:
             self._check_state_peer(request.job_id, request.kind, caller.peer_id)
@@ -126,8 +127,8 @@ class WorkerJobs:
             yield chunk
 
     async def _checked(
-        self, messages: AsyncIterator[worker_pb2.TensorChunk], sender: str, from_scheduler: bool
-    ) -> AsyncIterator[worker_pb2.TensorChunk]:
+        self, messages: AsyncIterator[Pushed], sender: str, from_scheduler: bool
+    ) -> AsyncIterator[Pushed]:
         """The pushed stream, refused at its first message if the sender may not send its kind."""
         first = True
         async for message in messages:
@@ -183,13 +184,13 @@ class WorkerJobsMixin:
         return await self.jobs.GetJobStatus(request, context)
 
     async def PushTensors(
-        self, request_iterator: AsyncIterator[worker_pb2.TensorChunk], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[Pushed], context: grpc.aio.ServicerContext
     ) -> worker_pb2.PushTensorsResponse:
         return await self.jobs.PushTensors(request_iterator, context)
 
     async def PullTensors(
         self, request: worker_pb2.PullTensorsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[worker_pb2.TensorChunk]:
+    ) -> AsyncIterator[bytes]:
         # An async generator itself: the server guard wraps stream handlers by their kind.
         async for chunk in self.jobs.PullTensors(request, context):
             yield chunk

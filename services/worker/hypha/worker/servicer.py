@@ -29,6 +29,7 @@ from hypha.pki.identity import Role
 from hypha.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hypha.worker.jobs_servicer import STATE_KIND, WorkerJobs
 from hypha.worker.market import WorkerMarket
+from hypha.worker.tensor_frames import Pushed
 from hypha.worker.transfer import file_chunks
 
 #: ``PullTensors`` kind that streams a finished job's result files.
@@ -102,13 +103,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return await self._jobs().GetJobStatus(request, context)
 
     async def PushTensors(
-        self, request_iterator: AsyncIterator[worker_pb2.TensorChunk], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[Pushed], context: grpc.aio.ServicerContext
     ) -> worker_pb2.PushTensorsResponse:
         return await self._jobs().PushTensors(request_iterator, context)
 
     async def PullTensors(
         self, request: worker_pb2.PullTensorsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[worker_pb2.TensorChunk]:
+    ) -> AsyncIterator[bytes | worker_pb2.TensorChunk]:
         caller = peer_identity(context)
         if request.kind == RESULT_KIND:
             async for chunk in self._result_chunks(request.job_id, caller.peer_id):
@@ -116,8 +117,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return
         if caller.role is not Role.WORKER and request.kind != STATE_KIND:
             raise PermissionDeniedError("only workers pull tensors; schedulers pull results and states")
-        async for chunk in self._jobs().PullTensors(request, context):
-            yield chunk
+        async for frame in self._jobs().PullTensors(request, context):
+            yield frame
 
     async def _result_chunks(self, job_id: str, caller: str) -> AsyncIterator[worker_pb2.TensorChunk]:
         found = self.results(job_id) if self.results is not None else None

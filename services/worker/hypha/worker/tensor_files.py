@@ -1,11 +1,11 @@
-"""Files as chunk streams for the tensor exchange: read, hashed and wrapped off the event loop.
+"""Files as chunk streams for the tensor exchange: read and hashed off the event loop.
 
 Split from ``transfer`` so that the exchange module is about inboxes, publications
 and sending; these are the byte-moving helpers it (and the worker's result
 stream) uses. Each block is read and hashed in one worker thread call, the next
-one while the current one is being sent, and the chunk is filled inside the
-message that goes on the wire, since wrapping a finished ``Chunk`` into a
-``TensorChunk`` would copy its bytes once more (docs/performance.md).
+one while the current one is being sent. Blocks come as (chunk header, data), so
+the sender can encode the frame with one copy of the data
+(``hypha.worker.tensor_frames``) instead of protobuf's three (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -13,16 +13,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from hypha.errors import NotFoundError
 from hypha.tensors.chunks import DEFAULT_CHUNK_SIZE
 from hypha.tensors.payload import CONTENT_TYPE
-from hypha.v1 import common_pb2, worker_pb2
-
-M = TypeVar("M", common_pb2.Chunk, worker_pb2.TensorChunk)
+from hypha.v1 import common_pb2
 
 
 async def file_chunks(
@@ -34,16 +32,9 @@ async def file_chunks(
 ) -> AsyncIterator[common_pb2.Chunk]:
     """The chunks of a file, read block by block (never mmapped: a writer truncating it must not
     crash the worker), hashed as they go; the last carries the sha256."""
-    async for chunk, _ in file_messages(path, common_pb2.Chunk, _itself, chunk_size, content_type, metadata):
+    async for chunk, data in file_blocks(path, chunk_size, content_type, metadata):
+        chunk.data = data
         yield chunk
-
-
-def _itself(chunk: common_pb2.Chunk) -> common_pb2.Chunk:
-    return chunk
-
-
-def tensor_chunk(message: worker_pb2.TensorChunk) -> common_pb2.Chunk:
-    return message.chunk
 
 
 def _read_hashed(handle: Any, size: int, digest: Any) -> bytes:
@@ -53,16 +44,14 @@ def _read_hashed(handle: Any, size: int, digest: Any) -> bytes:
     return data
 
 
-async def file_messages(
+async def file_blocks(
     path: Path,
-    new: Callable[[], M],
-    chunk_of: Callable[[M], common_pb2.Chunk],
-    chunk_size: int,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     content_type: str = CONTENT_TYPE,
     metadata: dict[str, str] | None = None,
-) -> AsyncIterator[tuple[M, bool]]:
-    """(message, is_first) for each block of a file; the chunk is filled inside the message
-    itself (``chunk_of``), because wrapping a finished Chunk would copy its bytes once more."""
+) -> AsyncIterator[tuple[common_pb2.Chunk, bytes]]:
+    """(chunk header, data) for each block of a file: the header is the chunk's every field but
+    ``data`` (offset; total size, content type and metadata on the first; the sha256 on the last)."""
     try:
         handle = await asyncio.to_thread(open, path, "rb")
     except FileNotFoundError:
@@ -85,24 +74,20 @@ async def file_messages(
             data = b""
             if reading is not None:
                 data, reading = await reading, None
-            message = new()
-            chunk = chunk_of(message)
-            chunk.offset = offset
-            chunk.data = data
+            chunk = common_pb2.Chunk(offset=offset)
             if offset == 0:
                 chunk.total_size = total
                 chunk.content_type = content_type
                 if metadata:
                     chunk.metadata.update(metadata)
-            first = offset == 0
             offset += len(data)
             if offset >= total or not data:
                 chunk.last = True
                 chunk.sha256 = digest.hexdigest()
-                yield message, first
+                yield chunk, data
                 return
             reading = read_next()
-            yield message, first
+            yield chunk, data
     finally:
         if reading is not None:  # the consumer stopped early: let the thread finish before closing
             await asyncio.wait([reading])

@@ -45,21 +45,22 @@ from hypha.errors import (
     UnavailableError,
 )
 from hypha.net.backoff import Backoff
+from hypha.net.wire import frame_bytes
 from hypha.tensors.chunks import DEFAULT_CHUNK_SIZE, ChunkAssembler, ChunkFeeder
 from hypha.tensors.payload import CONTENT_TYPE, read_metadata
-from hypha.v1 import worker_pb2, worker_pb2_grpc
-from hypha.worker.tensor_files import file_chunks, file_messages, read_head, tensor_chunk
+from hypha.v1 import worker_pb2
+from hypha.worker.tensor_files import file_blocks, file_chunks, read_head
+from hypha.worker.tensor_frames import (
+    Pushed,
+    TensorChunkView,
+    encode_tensor_chunk,
+    parse_tensor_chunk,
+    wire_bytes,
+)
 
 log = logging.getLogger(__name__)
 
 _KIND = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
-#: gRPC's length prefix on every message (1 flag byte, 4 length bytes).
-GRPC_PREFIX_BYTES = 5
-
-
-def wire_bytes(message: worker_pb2.TensorChunk) -> int:
-    """A message's bytes on the wire: the serialized message and gRPC's prefix (not HTTP/2 or TLS)."""
-    return message.ByteSize() + GRPC_PREFIX_BYTES
 
 
 class ChannelSource(Protocol):
@@ -220,12 +221,13 @@ class TensorExchange:
     # ---- receiving: PushTensors -----------------------------------------------------------
 
     async def receive(
-        self, messages: AsyncIterator[worker_pb2.TensorChunk], from_peer: str
+        self, messages: AsyncIterator[Pushed], from_peer: str
     ) -> worker_pb2.PushTensorsResponse:
-        """Assemble one pushed payload and queue it; raises (nothing queued) if the stream breaks."""
+        """Assemble one pushed payload and queue it; raises (nothing queued) if the stream breaks.
+        ``messages`` are views (``add_worker_servicer``) or, registered the generated way, messages."""
         assembler = self._assembler()
         feeder = ChunkFeeder(assembler)
-        first: worker_pb2.TensorChunk | None = None
+        first: Pushed | None = None
         job: _Job | None = None
         reserved = 0
         queued = False
@@ -361,7 +363,7 @@ class TensorExchange:
 
     async def serve_pull(
         self, request: worker_pb2.PullTensorsRequest, time_remaining: float | None
-    ) -> AsyncIterator[worker_pb2.TensorChunk]:
+    ) -> AsyncIterator[bytes]:
         """The PullTensors stream: waits for the round to be published (bounded), then streams it."""
         kind = check_kind(request.kind)
         job = self._job(request.job_id)
@@ -386,32 +388,29 @@ class TensorExchange:
         if found is None:
             raise NotFoundError(f"job {request.job_id} ended on this worker")
         round, published = found
-        async for message, first in file_messages(
-            published.path, worker_pb2.TensorChunk, tensor_chunk, self.settings.chunk_size
-        ):
-            if first:
-                message.job_id, message.kind, message.round = request.job_id, kind, round
-                message.samples = published.samples
-            yield message
+        header = worker_pb2.TensorChunk(
+            job_id=request.job_id, kind=kind, round=round, samples=published.samples
+        )
+        async for chunk, data in file_blocks(published.path, self.settings.chunk_size):
+            yield encode_tensor_chunk(header, chunk, data)
+            header = _REST
         self.stats["served"] += 1
 
     # ---- sending: PushTensors to a peer, PullTensors from a peer ---------------------------------
 
-    def _outgoing(
-        self, attempt: int, messages: AsyncIterator[worker_pb2.TensorChunk]
-    ) -> AsyncIterator[worker_pb2.TensorChunk]:
-        """Fault seam: tests override it to break attempt ``attempt``'s stream."""
+    def _outgoing(self, attempt: int, messages: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Fault seam: tests override it to break attempt ``attempt``'s stream (of encoded
+        ``TensorChunk`` messages)."""
         return messages
 
     async def _push_stream(
         self, job_id: str, kind: str, round: int, samples: int, path: Path
-    ) -> AsyncIterator[worker_pb2.TensorChunk]:
+    ) -> AsyncIterator[bytes]:
         job = self._jobs.get(job_id)
-        async for message, first in file_messages(
-            path, worker_pb2.TensorChunk, tensor_chunk, self.settings.chunk_size
-        ):
-            if first:
-                message.job_id, message.kind, message.round, message.samples = job_id, kind, round, samples
+        header = worker_pb2.TensorChunk(job_id=job_id, kind=kind, round=round, samples=samples)
+        async for chunk, data in file_blocks(path, self.settings.chunk_size):
+            message = encode_tensor_chunk(header, chunk, data)
+            header = _REST
             size = wire_bytes(message)
             self.bytes_total["pushed"] += size
             if job is not None:
@@ -446,9 +445,8 @@ class TensorExchange:
                 await asyncio.sleep(backoff.next_delay())
             try:
                 channel = await connector.channel(peer_id, list(addresses))
-                stub = worker_pb2_grpc.WorkerStub(channel)
                 stream = self._outgoing(attempt, self._push_stream(job_id, kind, round, samples, path))
-                response = await stub.PushTensors(stream, timeout=self.settings.push_timeout_s)
+                response = await _push_call(channel)(stream, timeout=self.settings.push_timeout_s)
             except UnavailableError as err:
                 reasons.append(err.message)
                 continue
@@ -516,13 +514,12 @@ class TensorExchange:
     async def _pull_once(
         self, channel: Any, job_id: str, peer_id: str, kind: str, round: int, timeout_s: float
     ) -> TensorPayload:
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        call = stub.PullTensors(
+        call = _pull_call(channel)(
             worker_pb2.PullTensorsRequest(job_id=job_id, kind=kind, round=round), timeout=timeout_s
         )
         assembler = self._assembler()
         feeder = ChunkFeeder(assembler)
-        first: worker_pb2.TensorChunk | None = None
+        first: TensorChunkView | None = None
         job = self._jobs.get(job_id)
         try:
             async for message in call:
@@ -544,6 +541,28 @@ class TensorExchange:
                 call.cancel()
             await feeder.settle()
             assembler.abort()
+
+
+#: The header of every chunk of a stream but the first: nothing beyond the chunk.
+_REST = worker_pb2.TensorChunk()
+
+
+def _push_call(channel: Any) -> Any:
+    """``Worker.PushTensors`` on ``channel`` (direct or relayed), sending pre-encoded messages."""
+    return channel.stream_unary(
+        "/hypha.v1.Worker/PushTensors",
+        request_serializer=frame_bytes,
+        response_deserializer=worker_pb2.PushTensorsResponse.FromString,
+    )
+
+
+def _pull_call(channel: Any) -> Any:
+    """``Worker.PullTensors`` on ``channel``, each chunk read as a ``TensorChunkView``."""
+    return channel.unary_stream(
+        "/hypha.v1.Worker/PullTensors",
+        request_serializer=worker_pb2.PullTensorsRequest.SerializeToString,
+        response_deserializer=parse_tensor_chunk,
+    )
 
 
 __all__ = [
