@@ -169,6 +169,8 @@ def with_codecs(add_servicer: AddServicer, codecs: Mapping[str, Mapping[str, Any
     def add(servicer: Any, server: Any) -> None:
         registration = _Registration()
         add_servicer(servicer, registration)
+        if not registration.services:
+            raise RuntimeError(f"{add_servicer.__name__} registered no method handlers by name")
         for service, handlers in registration.services.items():
             unknown = set(codecs) - set(handlers)
             if unknown:

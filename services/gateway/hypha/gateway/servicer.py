@@ -19,7 +19,7 @@ from hypha.gateway.lanes import DirectLanes
 from hypha.gateway.outbox import Outbox
 from hypha.gateway.streams import serve_frames
 from hypha.net.auth import peer_identity
-from hypha.net.wire import frame_bytes
+from hypha.net.wire import frame_bytes, with_codecs
 from hypha.pki.identity import Role
 from hypha.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -190,26 +190,13 @@ CONNECT_METHOD = "/hypha.v1.Gateway/Connect"
 FEDERATE_METHOD = "/hypha.v1.Gateway/Federate"
 
 
-def add_gateway_servicer(servicer: GatewayServicer, server: grpc.aio.Server) -> None:
-    """``add_GatewayServicer_to_server`` with the streams' direct messages kept as bytes: incoming
-    ones are parsed around their payload (``frames``), outgoing ones may be pre-encoded bytes
-    (``hypha.net.wire``), which ``frame_bytes`` passes through."""
-    handlers = {
-        "Connect": grpc.stream_stream_rpc_method_handler(
-            servicer.Connect,
-            request_deserializer=client_frame,
-            response_serializer=frame_bytes,
-        ),
-        "Federate": grpc.stream_stream_rpc_method_handler(
-            servicer.Federate,
-            request_deserializer=federation_frame,
-            response_serializer=frame_bytes,
-        ),
-        "ListPeers": grpc.unary_unary_rpc_method_handler(
-            servicer.ListPeers,
-            request_deserializer=gateway_pb2.ListPeersRequest.FromString,
-            response_serializer=gateway_pb2.ListPeersResponse.SerializeToString,
-        ),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("hypha.v1.Gateway", handlers),))
-    server.add_registered_method_handlers("hypha.v1.Gateway", handlers)
+#: ``add_GatewayServicer_to_server`` with the streams' direct messages kept as bytes: incoming ones
+#: are parsed around their payload (``frames``), outgoing ones may be pre-encoded bytes
+#: (``hypha.net.wire``), which ``frame_bytes`` passes through.
+add_gateway_servicer = with_codecs(
+    gateway_pb2_grpc.add_GatewayServicer_to_server,
+    {
+        "Connect": {"request_deserializer": client_frame, "response_serializer": frame_bytes},
+        "Federate": {"request_deserializer": federation_frame, "response_serializer": frame_bytes},
+    },
+)
