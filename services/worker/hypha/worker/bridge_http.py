@@ -21,7 +21,7 @@ import grpc
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from hypha.worker.transfer import TensorPayload
+    from hypha.worker.tensor_inbox import TensorPayload
 
 from hypha.errors import HyphaError, InvalidArgumentError, NotFoundError, PermissionDeniedError
 

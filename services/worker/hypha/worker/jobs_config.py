@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 if TYPE_CHECKING:
     from hypha.worker.bridge import BridgeLimits
     from hypha.worker.model_fetch import HubSettings
-    from hypha.worker.transfer import TransferSettings
+    from hypha.worker.tensor_inbox import TransferSettings
 
 #: ``sandbox`` values; kept here (not imported from ``sandbox``) so config loading stays light.
 SandboxMode = Literal["auto", "bwrap", "none"]
@@ -139,7 +139,7 @@ class JobsSection(BaseModel):
     status_timeout_s: float = Field(10.0, gt=0, description="Time spent reporting a job's final state.")
 
     def transfer_settings(self, spool_dir: Path | None = None) -> TransferSettings:
-        from hypha.worker.transfer import TransferSettings
+        from hypha.worker.tensor_inbox import TransferSettings
 
         return TransferSettings(
             inbox_max=self.inbox_max,

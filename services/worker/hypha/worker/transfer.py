@@ -17,8 +17,9 @@ naming the setting. Reading and hashing run in worker threads, off the event
 loop (docs/performance.md).
 
 ``TensorExchange`` is the one object per worker that owns the inboxes
-(bounded queues per job and kind), the publications, and the sending side
-(direct channel or relay through ``PeerConnector``, with jittered retries).
+(bounded queues per job and kind, ``tensor_inbox``), the publications, and the
+sending side (direct channel or relay through ``PeerConnector``, with jittered
+retries). Chunks travel pre-encoded and arrive as views (``tensor_frames``).
 The gRPC servicer and the job bridge both drive it; it knows no HTTP.
 """
 
@@ -26,12 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import tempfile
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
@@ -46,7 +45,7 @@ from hypha.errors import (
 )
 from hypha.net.backoff import Backoff
 from hypha.net.wire import frame_bytes
-from hypha.tensors.chunks import DEFAULT_CHUNK_SIZE, ChunkAssembler, ChunkFeeder
+from hypha.tensors.chunks import ChunkAssembler, ChunkFeeder
 from hypha.tensors.payload import CONTENT_TYPE, read_metadata
 from hypha.v1 import worker_pb2
 from hypha.worker.tensor_files import file_blocks, file_chunks, read_head
@@ -57,113 +56,16 @@ from hypha.worker.tensor_frames import (
     parse_tensor_chunk,
     wire_bytes,
 )
+from hypha.worker.tensor_inbox import (
+    ChannelSource,
+    JobTensors,
+    Published,
+    TensorPayload,
+    TransferSettings,
+    check_kind,
+)
 
 log = logging.getLogger(__name__)
-
-_KIND = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
-
-
-class ChannelSource(Protocol):
-    """What ``PeerConnector`` offers: a channel to a peer (direct or relayed), and forgetting it."""
-
-    async def channel(self, peer_id: str, addresses: list[str]) -> Any: ...
-
-    async def invalidate(self, peer_id: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class TransferSettings:
-    """Bounds of the exchange; every wait and every buffer has one."""
-
-    #: Complete payloads waiting per (job, kind) before pushes wait, then get RESOURCE_EXHAUSTED.
-    inbox_max: int = 16
-    #: How long a completed push waits for room in a full inbox.
-    inbox_put_timeout_s: float = 30.0
-    #: Largest payload accepted (declared size, checked before the first byte is kept).
-    max_payload_bytes: int = 8 << 30
-    #: Larger payloads are spooled to a file in ``spool_dir`` as they arrive, not held in memory.
-    memory_payload_bytes: int = 64 << 20
-    #: Where spooled payloads go (None: a ``hypha-tensor-spool`` dir in the system temp dir).
-    spool_dir: Path | None = None
-    #: Bytes of complete payloads queued per job (memory and spool) before pushes wait, then fail.
-    inbox_max_bytes: int = 16 << 30
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    #: Attempts of one send when the stream breaks or the peer is unreachable.
-    send_attempts: int = 4
-    backoff_base_s: float = 0.2
-    backoff_cap_s: float = 5.0
-    #: Deadline of one PushTensors call (a whole payload).
-    push_timeout_s: float = 600.0
-    #: Rounds kept published per (job, kind); older ones are forgotten.
-    keep_published: int = 4
-    #: Longest a PullTensors call waits for its round when the caller set no deadline.
-    max_pull_wait_s: float = 3600.0
-
-
-@dataclass(frozen=True)
-class TensorPayload:
-    """A complete, verified payload and who sent it (from the TLS session, not the message).
-
-    Either ``data`` holds it, or (larger than ``memory_payload_bytes``) ``path`` names a spool
-    file that the consumer owns: ``read()`` returns the bytes either way, ``release()`` deletes
-    the file once it has been used.
-    """
-
-    job_id: str
-    kind: str
-    round: int
-    samples: int
-    from_peer: str
-    data: bytes = field(default=b"", repr=False)
-    path: Path | None = None
-    size: int = -1
-
-    @property
-    def nbytes(self) -> int:
-        return self.size if self.size >= 0 else len(self.data)
-
-    def read(self) -> bytes:
-        """The payload's bytes (read from the spool file when there is one)."""
-        return self.path.read_bytes() if self.path is not None else self.data
-
-    def release(self) -> None:
-        """Delete the spool file, if any (idempotent)."""
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
-
-
-@dataclass(frozen=True)
-class _Published:
-    path: Path
-    samples: int
-
-
-class _Job:
-    def __init__(self, inbox_max: int) -> None:
-        self.inbox_max = inbox_max
-        self.inboxes: dict[str, asyncio.Queue[TensorPayload]] = {}
-        self.published: dict[str, dict[int, _Published]] = {}
-        self.changed = asyncio.Condition()
-        self.users = 0
-        #: Bytes of the payloads queued or being received, against ``inbox_max_bytes``.
-        self.held_bytes = 0
-        self.room = asyncio.Condition()
-        #: Bytes of the streams this worker opened for the job: pushes sent, pulls received.
-        #: Every stream has one opener, so summed over a job's workers each byte counts once.
-        self.pushed_bytes = 0
-        self.pulled_bytes = 0
-
-    def inbox(self, kind: str) -> asyncio.Queue[TensorPayload]:
-        queue = self.inboxes.get(kind)
-        if queue is None:
-            queue = self.inboxes[kind] = asyncio.Queue(maxsize=self.inbox_max)
-        return queue
-
-
-def check_kind(kind: str) -> str:
-    if not _KIND.match(kind):
-        raise InvalidArgumentError(f"tensor kind {kind!r} must match {_KIND.pattern}")
-    return kind
 
 
 class TensorExchange:
@@ -172,7 +74,7 @@ class TensorExchange:
     def __init__(self, connector: ChannelSource | None, settings: TransferSettings | None = None) -> None:
         self.connector = connector
         self.settings = settings or TransferSettings()
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, JobTensors] = {}
         if self.settings.spool_dir is not None and self.settings.spool_dir.is_dir():
             for stale in self.settings.spool_dir.glob(".spool-*.part"):  # left by a crash
                 stale.unlink(missing_ok=True)
@@ -189,7 +91,7 @@ class TensorExchange:
         """Accept pushes and pulls for ``job_id`` (counted: co-located executions share it)."""
         job = self._jobs.get(job_id)
         if job is None:
-            job = self._jobs[job_id] = _Job(self.settings.inbox_max)
+            job = self._jobs[job_id] = JobTensors(self.settings.inbox_max)
         job.users += 1
 
     async def close_job(self, job_id: str) -> None:
@@ -212,7 +114,7 @@ class TensorExchange:
         job = self._jobs.get(job_id)
         return (job.pushed_bytes, job.pulled_bytes) if job is not None else (0, 0)
 
-    def _job(self, job_id: str) -> _Job:
+    def _job(self, job_id: str) -> JobTensors:
         job = self._jobs.get(job_id)
         if job is None:
             raise NotFoundError(f"no job {job_id!r} runs on this worker")
@@ -228,7 +130,7 @@ class TensorExchange:
         assembler = self._assembler()
         feeder = ChunkFeeder(assembler)
         first: Pushed | None = None
-        job: _Job | None = None
+        job: JobTensors | None = None
         reserved = 0
         queued = False
         try:
@@ -299,7 +201,7 @@ class TensorExchange:
         read_metadata(data)
         return TensorPayload(job_id, kind, round, samples, from_peer, data=data)
 
-    async def _reserve(self, job: _Job, job_id: str, size: int) -> int:
+    async def _reserve(self, job: JobTensors, job_id: str, size: int) -> int:
         """Hold ``size`` bytes of the job's inbox budget, waiting (bounded) while it is spent."""
         limit = self.settings.inbox_max_bytes
         if size > limit:
@@ -318,7 +220,7 @@ class TensorExchange:
             ) from None
         return size
 
-    async def _unreserve(self, job: _Job, size: int) -> None:
+    async def _unreserve(self, job: JobTensors, size: int) -> None:
         async with job.room:
             job.held_bytes -= size
             job.room.notify_all()
@@ -346,13 +248,13 @@ class TensorExchange:
         if not await asyncio.to_thread(path.is_file):
             raise NotFoundError(f"no file {path.name} to publish")
         rounds = job.published.setdefault(kind, {})
-        rounds[round] = _Published(path, samples)
+        rounds[round] = Published(path, samples)
         for old in sorted(rounds)[: -self.settings.keep_published]:
             del rounds[old]
         async with job.changed:
             job.changed.notify_all()
 
-    def _find(self, job: _Job, kind: str, round: int) -> tuple[int, _Published] | None:
+    def _find(self, job: JobTensors, kind: str, round: int) -> tuple[int, Published] | None:
         rounds = job.published.get(kind, {})
         if kind == "global":
             # The current global state: a joining trainer takes the newest, never an older one.
