@@ -16,15 +16,17 @@ Ours, two ways, each a full DiLoCo job of R rounds x H batches with a parameter 
 - ``fake``: the same trainer loop in this process over the in-process fake bridge.
 - ``overlap_sync``: ``real`` with the job's ``overlap_sync = true`` (training goes on while the
   round's Δ and update travel; ``overlap_sync_ratio``).
-Throughput is measured between the first and the last progress report (so process start and
-model loading are excluded, the syncs between rounds are included).
+Throughput is the samples counted between the first and the last progress report over the time
+between them (so process start and model loading are excluded, the syncs between rounds are
+included; the trainer reports at most every ``report_interval_s``, not every batch).
 
 Baseline: a plain loop (zero_grad, forward, backward, step) over the same batches of the same
 slice files, timed from the end of its first batch to the end of its last.
 
 figure = ``real`` samples/s (median over repeats); ratio = figure / baseline (issue 15's target >= 0.97,
-i.e. <= 3 % overhead). ``steady_ratio`` compares the median batch interval alone (no syncs);
-``paired_ratio`` is the median of each repeat's own real/bare ratio (less swayed by load drift).
+i.e. <= 3 % overhead). ``steady_ratio`` compares the median time per batch between two
+reports of a round (no syncs); ``paired_ratio`` is the median of each repeat's own real/bare
+ratio (less swayed by load drift).
 ``--scheduler-rtt-ms N`` delays the scheduler's answer to each progress report by N ms in
 the real runs, as a scheduler across a WAN or behind relays would (the fake run has none).
 ``--timings FILE`` runs each real trainer through ``_bridge_timings.py`` (time per bridge call,
@@ -51,10 +53,36 @@ BATCH = 16
 SAMPLES_PER_SLICE = 64  # the data node's default
 
 
-def _throughput(times: list[float], batch: int) -> tuple[float, float]:
-    """(samples/s between the first and last report, median seconds between reports)."""
-    intervals = [b - a for a, b in itertools.pairwise(times)]
-    return (len(times) - 1) * batch / (times[-1] - times[0]), statistics.median(intervals)
+#: One point of a run: (time, round, batches done in the round, samples done in the whole run).
+Point = tuple[float, int, int, int]
+
+
+def _throughput(points: list[Point]) -> tuple[float, float]:
+    """(samples/s from the first point to the last, median seconds per batch between two
+    consecutive points of one round: the pace without the syncs).
+
+    Points are progress reports, which the trainer spaces (``report_interval_s``), so both
+    figures come from the samples and batches each report counts, not from how many there are.
+    """
+    (t0, _, _, s0), (t1, _, _, s1) = points[0], points[-1]
+    paces = [
+        (b[0] - a[0]) / (b[2] - a[2]) for a, b in itertools.pairwise(points) if a[1] == b[1] and b[2] > a[2]
+    ]
+    return (s1 - s0) / (t1 - t0), statistics.median(paces)
+
+
+def _reports(network: Any, peer: str = "t0") -> list[Point]:
+    """The trainer's progress reports as points (each report counts its round's figures so far)."""
+    points: list[Point] = []
+    finished: dict[int, int] = {}  # samples of each round, as last reported
+    for (who, at, _), (_, round_, batches, samples, _, _) in zip(
+        network.progress_times, network.progress, strict=True
+    ):
+        if who != peer:
+            continue
+        finished[round_] = samples
+        points.append((at, round_, batches, sum(v for r, v in finished.items() if r < round_) + samples))
+    return points
 
 
 async def _run_fake(network: Any) -> tuple[float, float]:
@@ -65,7 +93,7 @@ async def _run_fake(network: Any) -> tuple[float, float]:
     trainer = DilocoTrainer(network.bridge("t0"))
     codes = await asyncio.gather(ps.run(), trainer.run())
     assert list(codes) == [0, 0], codes
-    return _throughput([t for peer, t, _ in network.progress_times if peer == "t0"], BATCH)
+    return _throughput(_reports(network))
 
 
 #: ``--timings FILE``: each real run's trainer through ``_bridge_timings.py``, appending to FILE.
@@ -103,7 +131,7 @@ async def _run_real(network: Any, profile: Path | None = None) -> tuple[float, f
     finally:
         await bridge.stop()
     assert record.reported_state == "succeeded"
-    return _throughput([t for peer, t, _ in network.progress_times if peer == "t0"], BATCH)
+    return _throughput(_reports(network))
 
 
 def _run_bare(model_dir: Path, slices: list[Path], batches: int, lr: float) -> tuple[float, float]:
@@ -125,14 +153,14 @@ def _run_bare(model_dir: Path, slices: list[Path], batches: int, lr: float) -> t
             cursor += 1
             continue
         data.append(batch)
-    times = []
-    for batch in data:
+    points: list[Point] = []
+    for done, batch in enumerate(data, 1):
         optimizer.zero_grad(set_to_none=True)
         loss = model(**batch).loss
         loss.backward()
         optimizer.step()
-        times.append(time.perf_counter())
-    return _throughput(times, BATCH)
+        points.append((time.perf_counter(), 0, done, done * BATCH))
+    return _throughput(points)
 
 
 def main(quick: bool, profile: Path | None = None, scheduler_rtt_ms: float = 0.0) -> None:

@@ -388,9 +388,11 @@ async def test_status_result_and_logs_are_recorded_and_unknown_values_refused(
 async def test_a_trainer_runs_a_round_fetching_data_reporting_progress_and_taking_the_update(
     tmp_path: Path, gpt2_dir: Path, slice_files: list[Path], make_side: Callable[[FakeNetwork], Side]
 ) -> None:
-    # Prepare: one trainer, one round of two batches of 8; the parameter server is the network's.
+    # Prepare: one trainer, one round of three batches of 8; the parameter server is the network's.
+    # (The answer to batch 1's report, "sync_after 2", is read as batch 2 ends, or batch 3 if it
+    # was slower than a batch: with "sync_after 1" the round ran 3 batches about one run in six.)
     network = _network(tmp_path, gpt2_dir, ("t0",), slice_files, rounds=1)
-    network.policy = sync_every({"t0": 2})
+    network.policy = sync_every({"t0": 3})
     side = make_side(network)
     server = ParameterServer(network.bridge("ps"), options=ServerOptions(poll_s=0.05, linger_s=0.0))
     serving = asyncio.ensure_future(server.run())
@@ -402,20 +404,21 @@ async def test_a_trainer_runs_a_round_fetching_data_reporting_progress_and_takin
     finally:
         serving.cancel()
 
-    # Assert: progress per batch, one delta of 16 samples, the update pulled, and the trainer's
-    # checkpoint holds the θ_global the server computed.
+    # Assert: progress after the first batch and the last, one delta of 24 samples, the update
+    # pulled, and the trainer's checkpoint holds the θ_global the server computed.
     assert code == 0
     assert side.final_state("t0") == "succeeded"
-    assert [p[1:4] for p in network.progress if p[0] == "t0"][:2] == [(0, 1, 8), (0, 2, 16)]
-    assert [(s.sender, s.peer, s.round, s.samples) for s in network.deltas()] == [("t0", "ps", 0, 16)]
+    reports = [p[1:4] for p in network.progress if p[0] == "t0"]
+    assert reports[0] == (0, 1, 8) and reports[-1] == (0, 3, 24)
+    assert [(s.sender, s.peer, s.round, s.samples) for s in network.deltas()] == [("t0", "ps", 0, 24)]
     assert ("t0", "ps", "update", 0) in network.fetched
     (metrics,) = [m for m in network.metrics if m[0] == "t0"]
-    assert metrics[1] == 0 and metrics[2]["batches"] == 2
+    assert metrics[1] == 0 and metrics[2]["batches"] == 3
     assert metrics[2]["tensor_bytes_pushed"] == len(network.deltas()[0].data)
     model = models.build_model(common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_CAUSAL_LM), gpt2_dir)
     optimizer = training.make_inner_optimizer(model, training.InnerSettings())
     state_dir = network.job_for("t0").work_dir / "trainer-state"
-    assert training.load_trainer_state(state_dir, model, optimizer) == training.TrainerState(1, 16)
+    assert training.load_trainer_state(state_dir, model, optimizer) == training.TrainerState(1, 24)
     assert server.core is not None
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), server.core.outer.parameters()[name]), name

@@ -56,3 +56,26 @@ async def test_one_report_in_flight_and_its_answer_or_failure_comes_between_batc
     with pytest.raises(PermissionDeniedError):
         pipe.answer()
     assert pipe.answer() is None and await pipe.settle() is None  # nothing left in flight
+
+
+async def test_within_a_round_reports_leave_at_most_every_interval_and_the_first_batch_always() -> None:
+    now = [100.0]
+    pipe = ReportPipe(interval_s=0.25, clock=lambda: now[0])
+    sent: list[int] = []
+
+    async def report(batches: int) -> tuple[DirectiveKind, int]:
+        sent.append(batches)
+        return K.CONTINUE, 0
+
+    async def batch(batches: int, seconds: float) -> bool:
+        now[0] += seconds
+        started = pipe.send(batches, lambda: report(batches))
+        await pipe.settle()  # answered at once: only the interval holds a report back
+        return started
+
+    # Batches of 0.1 s: the first, then one every 0.25 s or more since the last that left.
+    assert [await batch(n, 0.1) for n in range(1, 8)] == [True, False, False, True, False, False, True]
+    # A new round's first batch goes out however recent the last report is.
+    assert await batch(1, 0.01)
+    assert not await batch(2, 0.1)
+    assert sent == [1, 4, 7, 1]

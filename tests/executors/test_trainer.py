@@ -365,7 +365,8 @@ async def test_progress_travels_while_the_next_batch_trains_and_the_sync_lands_w
         return loss
 
     monkeypatch.setattr(diloco_trainer, "train_step", counted)
-    trainer = DilocoTrainer(bridge, options=TrainerOptions(fetch_timeout_s=10.0, update_patience_s=60.0))
+    options = TrainerOptions(fetch_timeout_s=10.0, update_patience_s=60.0, report_interval_s=0.0)
+    trainer = DilocoTrainer(bridge, options=options)
 
     # Execute
     assert await _run(_server(network).run(), trainer.run()) == [0, 0]

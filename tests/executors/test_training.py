@@ -17,6 +17,7 @@ from hypha.models import ModelKind
 from hypha.tensors.payload import decode_state
 from hypha.v1 import common_pb2
 from hypha.worker.executors import training
+from hypha.worker.executors.checkpoint_writer import CheckpointWriter
 from hypha.worker.executors.training import BatchStream, InnerSettings
 
 
@@ -236,6 +237,32 @@ def test_a_snapshot_written_later_holds_the_state_of_when_it_was_taken(tmp_path:
     assert not torch.equal(fresh.state_dict()["0.weight"], model.state_dict()["0.weight"])
     loaded = fresh_optimizer.state_dict()["state"]
     assert all(torch.equal(loaded[k]["exp_avg"], v) for k, v in expected_avg.items())
+
+
+async def test_checkpoints_are_spaced_by_their_interval_and_the_last_round_is_always_written(
+    tmp_path: Path,
+) -> None:
+    # Prepare: round boundaries 20 s apart against a 60 s interval, from the writer's start.
+    model = nn.Linear(4, 2)
+    optimizer = training.make_inner_optimizer(model, InnerSettings(lr=1e-2))
+    now = [1000.0]
+    writer = CheckpointWriter(interval_s=60.0, clock=lambda: now[0])
+
+    async def boundary(round_number: int, last: bool = False) -> training.TrainerState | None:
+        now[0] += 20.0
+        state = training.TrainerState(round_number, 8 * round_number)
+        written = await writer.write(tmp_path, model, optimizer, state, last=last)
+        await writer.settled()
+        fresh = nn.Linear(4, 2)
+        on_disk = training.load_trainer_state(
+            tmp_path, fresh, training.make_inner_optimizer(fresh, InnerSettings())
+        )
+        assert written == (on_disk == state)
+        return on_disk
+
+    # Execute and assert: the first boundary 60 s after the start is written, then the last.
+    states = [await boundary(r) for r in range(1, 6)] + [await boundary(6, last=True)]
+    assert [s.round_number if s else None for s in states] == [None, None, 3, 3, 3, 6]
 
 
 def test_no_trainer_checkpoint_means_a_fresh_start(tmp_path: Path) -> None:

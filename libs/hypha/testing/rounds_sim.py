@@ -2,9 +2,9 @@
 
 For tests and the ``rounds`` benchmark only: the scheduler itself runs
 ``hypha.scheduler.rounds.RoundPlanner`` against real trainers. The
-simulation drives the real planner code (every batch is reported and its
-directive obeyed) with simulated workers of given speeds, and measures the
-time each worker idles at the sync points.
+simulation drives the real planner code (batches are reported, every one
+or every so often, and the directives obeyed) with simulated workers of
+given speeds, and measures the time each worker idles at the sync points.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ def simulate(
     seed: int = 0,
     sync_seconds: float = 0.0,
     pipelined: bool = False,
+    report_interval: float = 0.0,
     max_events: int = 10_000_000,
 ) -> SimResult:
     """Run ``rounds`` rounds of simulated workers against ``planner``.
@@ -104,10 +105,13 @@ def simulate(
     trainer does: they start the next batch as they report and act on the
     answer after it (a ``sync_after`` count still counts from the reported
     batch; the round's last batch is reported and answered before the sync).
-    When all wait, the round ends at the last arrival (everyone else idled
-    until then) and the next starts ``sync_seconds`` later. Batch durations
-    are drawn around each worker's mean with its jitter (seeded, so runs are
-    reproducible).
+    ``report_interval`` (pipelined workers only) spaces their reports as the
+    trainer's ``report_interval_s`` does: a round's first batch and its last
+    are always reported, any other only once that long has passed since the
+    worker's previous report. When all wait, the round ends at the last
+    arrival (everyone else idled until then) and the next starts
+    ``sync_seconds`` later. Batch durations are drawn around each worker's
+    mean with its jitter (seeded, so runs are reproducible).
     """
     rng = random.Random(seed)
     for w in workers:
@@ -128,6 +132,7 @@ def simulate(
         countdown: dict[str, int | None] = dict.fromkeys(by_id)
         #: A pipelined worker's answer not acted on yet, with the batch count it answered.
         pending: dict[str, tuple[Directive, int] | None] = dict.fromkeys(by_id)
+        reported_at: dict[str, float] = {}
         arrived: dict[str, float] = {}
         heap: list[tuple[float, str, float]] = []
         for w in workers:
@@ -159,8 +164,13 @@ def simulate(
                     planner.report(wid, Progress(*figures), now)
                     arrived[wid] = now
                     continue
+                if batches[wid] > 1 and now - reported_at[wid] < report_interval:
+                    d = duration(w)
+                    heapq.heappush(heap, (now + d, wid, d))
+                    continue
                 ahead = Progress(*figures, next_batch_started=True)
                 pending[wid] = (planner.report(wid, ahead, now), batches[wid])
+                reported_at[wid] = now
             else:
                 answer = planner.report(wid, Progress(*figures), now)
                 if answer.syncs_now or answer.kind is DirectiveKind.DONE:

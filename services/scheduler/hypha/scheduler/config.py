@@ -116,8 +116,8 @@ class JobsSection(BaseModel):
     progress_store_interval_s: float = Field(
         1.0,
         ge=0,
-        description="Least time between two progress writes of one job to the store (reports arrive after "
-        "every batch; watchers see the latest).",
+        description="Least time between two progress writes of one job to the store (trainers report up to "
+        "every batch, several times a second; watchers see the latest).",
     )
     sync_lookahead: float = Field(
         0.25,

@@ -28,8 +28,8 @@ tensors there); the round in flight is collected again
 
 Decisions (NOTE):
 - Progress is written to the store at most every
-  ``jobs.progress_store_interval_s`` (every batch of every trainer reports;
-  watchers only need the latest), and always when a round completes.
+  ``jobs.progress_store_interval_s`` (every trainer reports several times a
+  second; watchers only need the latest), and always when a round completes.
 - The run saves its own state (leases, trainers, slice assignments, rounds)
   in the store whenever it changes that much, so a restarted scheduler
   resumes the job (``hypha.scheduler.diloco_resume``).

@@ -1,10 +1,12 @@
 """Performance-aware DiLoCo rounds: how many batches each trainer runs before a sync.
 
-Every trainer reports progress after each batch (``ReportProgress``) and is
-answered with a ``Directive``: keep going, run ``n`` more batches then sync,
-sync now, or stop. The goal is that all trainers of a job reach the sync point
-at about the same moment, so nobody idles while the slowest finishes, while
-together they process about ``samples_per_round`` samples per round.
+Every trainer reports progress as it trains (``ReportProgress``: after a
+round's first batch, then after a batch every so often, the built-in trainer
+at most every ``report_interval_s``) and is answered with a ``Directive``:
+keep going, run ``n`` more batches then sync, sync now, or stop. The goal is
+that all trainers of a job reach the sync point at about the same moment, so
+nobody idles while the slowest finishes, while together they process about
+``samples_per_round`` samples per round.
 
 How ``RoundPlanner`` decides (all pure; time is passed in):
 
@@ -12,20 +14,24 @@ How ``RoundPlanner`` decides (all pure; time is passed in):
   GPU memory ÷ the job's per-sample estimate, capped to the job's
   [min, max]; CPU-only workers get a default.
 - **Rates**: each worker's throughput (samples/s) is an exponentially
-  weighted mean over its reports (interval between two consecutive reports
-  when there is one, else the batch time the worker measured).
+  weighted mean over its reports (the time between two reports of a round
+  divided by the batches run in between, else the batch time the worker
+  measured). So is how many batches a worker runs between two reports.
 - **When to plan**: the round's remaining sample budget divided by the sum of
   the rates estimates how long the round still runs. Once that is within the
   look-ahead, a plan is made. The look-ahead is *relative to the round*: a
   fraction (``lookahead``, default 0.25) of the expected round duration
-  (``samples_per_round`` ÷ total rate), and at least the slowest worker's
-  batch time, so every worker reports once more before the sync point. (The
+  (``samples_per_round`` ÷ total rate), and at least the longest time a
+  worker goes between reports (a batch, or the batches it runs between two
+  reports), so every worker reports once more before the sync point. The
+  samples a worker has most likely done since its last report count too. (The
   reference system simulated a fixed 10 s ahead, which is either far too long
   or too short depending on the model.)
 - **The plan** simulates forward on the measured rates: every worker that is
   mid-batch completes that batch (it cannot stop earlier; one that has not
   reported in this round yet is taken to have started when the round began,
-  estimated from the round's first report), then batches
+  estimated from the round's first report; one that reports every few
+  batches completes those before it hears of the plan), then batches
   complete at each worker's own pace; the sync time ``t*`` is the earliest
   completion time by which the budget is covered, and never before the
   in-flight batches end. Each worker's target is the number of its batches
@@ -186,11 +192,26 @@ class _Worker:
     target: int | None = None  # batch count (this round) after which to sync
     ahead: bool = False  # its last report said its next batch had started
     pipelined: bool = False  # any report of it did: it hears of a plan a batch late
+    per_report: float = 1.0  # batches between two of its reports within a round, EWMA
 
     def batch_seconds(self) -> float | None:
         if self.rate is None or self.rate <= 0 or self.batch_size <= 0:
             return None
         return self.batch_size / self.rate
+
+    def heard_after(self) -> int:
+        """Batches it finishes after a report before its next one: 1 when it reports every
+        batch, more when it reports every so often (``TrainerOptions.report_interval_s``)."""
+        return max(1, round(self.per_report))
+
+    def unreported(self, now: float) -> int:
+        """Batches it has most likely finished since its last report and not yet reported (at
+        most those before its next report: one that went quiet is not credited with more)."""
+        seconds = self.batch_seconds()
+        if seconds is None or self.last_report is None:
+            return 0
+        done = math.floor((now - self.last_report) / seconds + _EPS)
+        return max(0, min(self.heard_after() - 1, done))
 
 
 class RoundPlanner:
@@ -275,7 +296,7 @@ class RoundPlanner:
             self._round_started = now - progress.batches * took
         if worker.target is not None:
             return self._directive(worker)
-        if self.sync_at is None and self._should_plan():
+        if self.sync_at is None and self._should_plan(now):
             self._plan(worker_id, now)
         if self.sync_at is not None and worker.target is None:
             # Joined after the plan: whatever fits before the sync point.
@@ -306,14 +327,12 @@ class RoundPlanner:
         if progress.batch_size > 0:
             worker.batch_size = progress.batch_size
         seconds = progress.batch_seconds
-        consecutive = (
-            worker.last_report is not None
-            and worker.round == progress.round
-            and progress.batches == worker.batches + 1
-        )
-        if consecutive:
-            assert worker.last_report is not None
-            seconds = max(seconds, now - worker.last_report)
+        ran = progress.batches - worker.batches if worker.round == progress.round else 0
+        if worker.last_report is not None and ran >= 1:
+            # Consecutive reports of one round: ``ran`` batches took the time between them
+            # (overheads included), and the worker reports about that often.
+            seconds = max(seconds, (now - worker.last_report) / ran)
+            worker.per_report = self.alpha * ran + (1 - self.alpha) * worker.per_report
         if seconds > 0 and worker.batch_size > 0 and progress.batches > 0:
             sample = worker.batch_size / seconds
             worker.rate = (
@@ -326,7 +345,7 @@ class RoundPlanner:
         worker.ahead = progress.next_batch_started
         worker.pipelined = worker.pipelined or worker.ahead
 
-    def _should_plan(self) -> bool:
+    def _should_plan(self, now: float) -> bool:
         remaining = self.samples_per_round - self.round_samples()
         if remaining <= 0:
             return True
@@ -334,9 +353,14 @@ class RoundPlanner:
         if not rates or any(r is None or r <= 0 for r in rates):
             return False  # not everyone measured yet; the budget check above is the fallback
         total = sum(r for r in rates if r is not None)
+        # What workers that report less often than every batch did since their last report.
+        remaining -= sum(
+            w.unreported(now) * w.batch_size for w in self._workers.values() if w.round == self.round
+        )
         expected_round_s = self.samples_per_round / total
-        slowest_batch_s = max(w.batch_seconds() or 0.0 for w in self._workers.values())
-        horizon = max(self.lookahead * expected_round_s, slowest_batch_s)
+        # Every worker reports once more before the sync point, however seldom it reports.
+        slowest_s = max((w.batch_seconds() or 0.0) * w.heard_after() for w in self._workers.values())
+        horizon = max(self.lookahead * expected_round_s, slowest_s)
         return remaining / total <= horizon
 
     def _plan(self, reporter: str, now: float) -> None:
@@ -357,16 +381,20 @@ class RoundPlanner:
                 # the batch it started as it reported if not.
                 forced[wid] = 1 if w.ahead else 0
                 started: float | None = now
+                heard = 1
             else:
                 # Everyone else is mid-batch: since its last report, or since the round
-                # began if it has not reported in this round yet. One that starts a batch
-                # as it reports runs another before it can hear of this plan.
+                # began if it has not reported in this round yet (its first batch is
+                # reported). It hears of this plan at its next report; the batches it
+                # finishes until then are done whatever we say, and one that starts a batch
+                # as it reports runs another before it can act on what it heard.
                 started = w.last_report if in_round else self._round_started
                 if started is None:
                     continue
-                forced[wid] = 2 if w.pipelined else 1
-            done_at = max(now, started + seconds) if forced[wid] and started is not None else now
-            last[wid] = done_at + max(0, forced[wid] - 1) * seconds
+                heard = w.heard_after() if in_round else 1
+                forced[wid] = heard + (1 if w.pipelined else 0)
+            done_at = max(now, started + heard * seconds) if forced[wid] and started is not None else now
+            last[wid] = done_at + max(0, forced[wid] - heard) * seconds
             floor_t = max(floor_t, last[wid])
             remaining -= forced[wid] * w.batch_size
         sync_at = floor_t

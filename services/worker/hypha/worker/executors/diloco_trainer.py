@@ -7,8 +7,10 @@ One round, from the trainer's side:
 
 1. take slices from the bridge (the scheduler assigns them), cut them into
    batches of this worker's batch size, run one AdamW step per batch and
-   report progress after each; the reply is the scheduler's directive, read
-   after the next batch (the report travels while it trains, ``reports``);
+   report progress after the round's first batch, then after a batch at most
+   every ``report_interval_s`` (a quarter second by default); the reply is the
+   scheduler's directive, read after the next batch (the report travels while
+   it trains, ``reports``);
 2. on ``sync_after K`` run K more batches (counted from the reported one),
    on ``sync_now`` stop after the batch in flight, and
    sync: send Δ = θ_local - θ_global for the samples of this round to the
@@ -18,7 +20,9 @@ One round, from the trainer's side:
    and set the model to it;
 3. checkpoint (model, inner optimizer, round) so a restarted trainer resumes
    here, then start the next round; the checkpoint is a copy of the state
-   written in a thread while that round trains (``checkpoint_writer``).
+   written in a thread while that round trains, at most every
+   ``checkpoint_interval_s`` (a minute by default) and always after the last
+   round (``checkpoint_writer``).
 
 ``done``, or reaching the job's round count, ends the process with 0.
 
@@ -45,8 +49,8 @@ Decisions (NOTE):
   (``ps_link``).
 - ``sync_after K`` that arrives while counting down keeps the smaller count, so a
   scheduler that repeats its directive cannot postpone the sync forever.
-- The per-round checkpoint is written in the background, while the next
-  round trains (``checkpoint_writer``).
+- The checkpoint is written in the background, while the next round trains,
+  and not every round when rounds are short (``checkpoint_writer``).
 - The bridge answering "unavailable" (the scheduler or the parameter server's
   worker cannot be reached for now) never ends the job: a progress report
   counts as ``continue``, a slice request as "no data yet", a delta or an
@@ -71,10 +75,16 @@ from torch import nn
 from hypha import factories, models
 from hypha.directives import DirectiveKind
 from hypha.errors import HyphaError, InvalidArgumentError
-from hypha.worker.executors.checkpoint_writer import CheckpointWriter
+from hypha.worker.executors.checkpoint_writer import DEFAULT_CHECKPOINT_INTERVAL_S, CheckpointWriter
 from hypha.worker.executors.global_sync import FragmentUpdate, GlobalSync
 from hypha.worker.executors.ps_link import ParameterServerLink
-from hypha.worker.executors.reports import ReportPipe, RoundStats, report_metrics, report_progress
+from hypha.worker.executors.reports import (
+    DEFAULT_REPORT_INTERVAL_S,
+    ReportPipe,
+    RoundStats,
+    report_metrics,
+    report_progress,
+)
 from hypha.worker.executors.slice_feed import SliceFeed
 from hypha.worker.executors.training import (
     BatchStream,
@@ -108,6 +118,10 @@ class TrainerOptions:
     idle_max_s: float = 2.0
     #: Where the inner steps run; None: the first GPU the worker assigned, else the CPU.
     device: str | None = None
+    #: Least time between two progress reports within a round (``reports``); 0: every batch.
+    report_interval_s: float = DEFAULT_REPORT_INTERVAL_S
+    #: Least time between two checkpoints (``checkpoint_writer``); 0: every round.
+    checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S
     clock: Callable[[], float] = field(default=time.monotonic)
 
 
@@ -127,9 +141,9 @@ class DilocoTrainer:
         self._global_sync: GlobalSync | None = None
         self._inflight: _InFlight | None = None
         #: The per-round checkpoint, written in a thread (module NOTE).
-        self._checkpoints = CheckpointWriter()
+        self._checkpoints = CheckpointWriter(self.options.checkpoint_interval_s, self.options.clock)
         #: The progress report travelling while the next batch trains.
-        self._reports = ReportPipe()
+        self._reports = ReportPipe(self.options.report_interval_s, self.options.clock)
         #: Where batches come from (set once the job is known).
         self._feed: SliceFeed | None = None
 
@@ -271,6 +285,9 @@ class DilocoTrainer:
             await self._land(model, optimizer, checkpoint_dir)  # the final fragment's update, if served
         else:
             self._cancel_inflight()  # told "done" early: the job needs nothing more from this trainer
+        if self._checkpoints.behind:  # the last round boundary was not written (checkpoint_writer)
+            state = TrainerState(self.round_number, self.samples_total)
+            await self._checkpoints.write(checkpoint_dir, model, optimizer, state, last=True)
         await self._checkpoints.settled()
         await bridge.status(
             "succeeded", f"trained to round {self.round_number}, {self.samples_total} samples"
@@ -316,7 +333,11 @@ class DilocoTrainer:
         )
         self.round_number = round_number + 1
         await self._checkpoints.write(
-            checkpoint_dir, model, optimizer, TrainerState(self.round_number, self.samples_total)
+            checkpoint_dir,
+            model,
+            optimizer,
+            TrainerState(self.round_number, self.samples_total),
+            last=self._finished(),
         )
 
     # ---- streaming: one fragment per round, in flight while training goes on ---------------
@@ -355,7 +376,11 @@ class DilocoTrainer:
             assert self._global_sync is not None
             self._global_sync.merge_fragment(model, inflight.sent, params)
         await self._checkpoints.write(
-            checkpoint_dir, model, optimizer, TrainerState(inflight.round_number + 1, self.samples_total)
+            checkpoint_dir,
+            model,
+            optimizer,
+            TrainerState(inflight.round_number + 1, self.samples_total),
+            last=self._final(inflight.round_number),
         )
 
     def _cancel_inflight(self) -> None:

@@ -1,21 +1,30 @@
-"""A trainer's reports: progress after each batch, sent while the next one trains; each round's metrics.
+"""A trainer's reports: progress as it trains, sent while the next batch trains; each round's metrics.
 
-A trainer reports after every batch and the scheduler answers with a
-directive. Waiting for that answer before the next batch put a bridge round
-trip (and, behind it, the scheduler's gRPC round trip) on every step: 1-5 ms
-of a 20-100 ms step on a small machine (docs/performance.md). So the report
-goes out as the next batch starts and its answer is read after that batch.
+A trainer reports its progress and the scheduler answers with a directive.
+Waiting for that answer before the next batch put a bridge round trip (and,
+behind it, the scheduler's gRPC round trip) on every step: 1-5 ms of a
+20-100 ms step on a small machine (docs/performance.md). So the report goes
+out as the next batch starts and its answer is read after that batch.
+
+Reports are spaced too: the round's first batch is reported, then a batch
+at most every ``report_interval_s`` (``DEFAULT_REPORT_INTERVAL_S``), and the
+round's last one. A report per batch cost a 20 ms step 1.5-2 ms even off the
+critical path (the bridge call's work shares the trainer's GIL and the
+machine's cores with the step), and a scheduler serving many fast workers one
+call per batch each. The scheduler's planner counts the batches a worker runs
+between two of its reports (``hypha.scheduler.rounds``), so a plan still
+reaches every worker before its sync point.
 
 What that changes, and why it is safe:
 - ``sync_after K`` counts from the batch that was reported, so the trainer
   subtracts the batches it ran since then (``Answer.countdown``): the sync
   lands on the same batch as before, however late the answer came, as long
   as it came before that batch.
-- ``sync_now`` and ``done`` take effect one batch later than they would have.
-  The scheduler knows: the report says ``next_batch_started`` and its planner
-  counts that batch as in flight (``hypha.scheduler.rounds``), so a planned
-  round ends where it was planned; only an unplanned ``sync_now`` (the others
-  already synced) costs one batch.
+- ``sync_now`` and ``done`` take effect one batch, or one report interval,
+  later than they would have. The scheduler knows: the report says
+  ``next_batch_started`` and its planner counts that batch as in flight
+  (``hypha.scheduler.rounds``), so a planned round ends where it was planned;
+  only an unplanned ``sync_now`` (the others already synced) costs the wait.
 - One report is in flight at a time; while it is unanswered the next batch's
   report is skipped, and the one after carries the newer cumulative figures.
 
@@ -28,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -36,6 +46,9 @@ from hypha.errors import UnavailableError
 from hypha.worker.executors.training import Bridge, raise_if_bridge_gone
 
 logger = logging.getLogger(__name__)
+
+#: Least seconds between two progress reports of a round (``TrainerOptions.report_interval_s``).
+DEFAULT_REPORT_INTERVAL_S = 0.25
 
 
 @dataclass
@@ -124,9 +137,17 @@ Report = Callable[[], Awaitable[tuple[DirectiveKind, int]]]
 
 
 class ReportPipe:
-    """At most one progress report in flight; its answer is picked up between batches."""
+    """At most one progress report in flight; its answer is picked up between batches.
 
-    def __init__(self) -> None:
+    Within a round, a report leaves at most every ``interval_s`` (module docstring); the
+    round's first batch is always reported, so the scheduler learns when the round began and
+    how fast this worker is as soon as it can.
+    """
+
+    def __init__(self, interval_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._sent_at = -math.inf
         self._inflight: asyncio.Task[Answer] | None = None
 
     @staticmethod
@@ -135,9 +156,15 @@ class ReportPipe:
         return Answer(kind, more, batches)
 
     def send(self, batches: int, report: Report) -> bool:
-        """Start ``report`` (sent after ``batches`` batches) unless one is unanswered; whether it started."""
+        """Start ``report`` (sent after ``batches`` batches of the round) unless one is unanswered
+        or, past the round's first batch, the last one left less than ``interval_s`` ago;
+        whether it started."""
         if self._inflight is not None:
             return False
+        now = self._clock()
+        if batches > 1 and now - self._sent_at < self.interval_s:
+            return False
+        self._sent_at = now
         self._inflight = asyncio.create_task(self._one(report, batches), name="progress-report")
         return True
 

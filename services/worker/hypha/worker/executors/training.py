@@ -306,8 +306,8 @@ def train_step(
 ) -> float:
     """One inner step; the batch's loss before the step.
 
-    Reading the loss back waits for the device: the progress report after
-    every batch needs the real figure (and the real batch time).
+    Reading the loss back waits for the device: the round's mean loss in the
+    progress reports needs the real figure (and the real batch time).
     """
     optimizer.zero_grad(set_to_none=True)
     loss = batch_loss(model, kind, batch)
