@@ -192,7 +192,7 @@ class _Worker:
     target: int | None = None  # batch count (this round) after which to sync
     ahead: bool = False  # its last report said its next batch had started
     pipelined: bool = False  # any report of it did: it hears of a plan a batch late
-    per_report: float = 1.0  # batches between two of its reports within a round, EWMA
+    per_report: float | None = None  # batches between two of its reports within a round, EWMA
 
     def batch_seconds(self) -> float | None:
         if self.rate is None or self.rate <= 0 or self.batch_size <= 0:
@@ -202,7 +202,7 @@ class _Worker:
     def heard_after(self) -> int:
         """Batches it finishes after a report before its next one: 1 when it reports every
         batch, more when it reports every so often (``TrainerOptions.report_interval_s``)."""
-        return max(1, round(self.per_report))
+        return max(1, round(self.per_report or 1))
 
     def unreported(self, now: float) -> int:
         """Batches it has most likely finished since its last report and not yet reported (at
@@ -332,7 +332,9 @@ class RoundPlanner:
             # Consecutive reports of one round: ``ran`` batches took the time between them
             # (overheads included), and the worker reports about that often.
             seconds = max(seconds, (now - worker.last_report) / ran)
-            worker.per_report = self.alpha * ran + (1 - self.alpha) * worker.per_report
+            worker.per_report = (
+                ran if worker.per_report is None else self.alpha * ran + (1 - self.alpha) * worker.per_report
+            )
         if seconds > 0 and worker.batch_size > 0 and progress.batches > 0:
             sample = worker.batch_size / seconds
             worker.rate = (
