@@ -11,8 +11,9 @@ Ours, two ways, each a full DiLoCo job of R rounds x H batches with a parameter 
 - ``real``: ``python -m hypha.worker.executors.diloco_trainer`` as its own process, talking
   HTTP over the Unix socket to the worker's real ``JobBridge`` (aiohttp) in this process; the
   scheduler and the parameter server's worker are played in-process (``tests.executors``). Slices
-  go through the bridge into the work dir, progress is reported after every batch, Δ goes out
-  and θ_global comes back through the bridge each round, and the trainer checkpoints each round.
+  go through the bridge into the work dir, progress is reported (at most every
+  ``report_interval_s``), Δ goes out and θ_global comes back through the bridge each round, and
+  the trainer checkpoints the last round (at most every ``checkpoint_interval_s`` before that).
 - ``fake``: the same trainer loop in this process over the in-process fake bridge.
 - ``overlap_sync``: ``real`` with the job's ``overlap_sync = true`` (training goes on while the
   round's Δ and update travel; ``overlap_sync_ratio``).

@@ -15,7 +15,7 @@ Decisions (NOTE):
   the sample count. ``interval_s`` 0 checkpoints every round. A trainer that
   stops early (told ``done``) writes the state it stops with when the last
   boundary was skipped, so a restarted one counts every sample synced.
-- The per-round checkpoint is written in the background: a copy of the state
+- The checkpoint is written in the background: a copy of the state
   is taken at the round boundary (a few ms) and serialised, hashed and
   fsynced in a thread while the next round trains, which took 60-180 ms of
   every round before (docs/performance.md). A crash before that write

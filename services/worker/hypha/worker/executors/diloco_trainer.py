@@ -140,7 +140,7 @@ class DilocoTrainer:
         #: θ_global and the exchange with the parameter server (set once the job is known).
         self._global_sync: GlobalSync | None = None
         self._inflight: _InFlight | None = None
-        #: The per-round checkpoint, written in a thread (module NOTE).
+        #: The checkpoint at round boundaries, written in a thread (module NOTE).
         self._checkpoints = CheckpointWriter(self.options.checkpoint_interval_s, self.options.clock)
         #: The progress report travelling while the next batch trains.
         self._reports = ReportPipe(self.options.report_interval_s, self.options.clock)
