@@ -6,9 +6,9 @@ lets a restarted trainer resume at the round boundary it was taken at.
 Decisions (NOTE):
 - A round boundary is checkpointed when ``interval_s`` has passed since the
   last checkpoint (or since the trainer started), and the job's last one
-  always, not every round: with short rounds the write (three copies of the model's size,
-  serialised, hashed and fsynced) took a core for 35-60 ms of every 300 ms
-  round and slowed the steps beside it. Nothing accepted is lost by skipping
+  always, not every round: with short rounds the write (three copies of the
+  model's size, serialised, hashed and fsynced) took a core for 35-60 ms of
+  every 300 ms round and slowed the steps beside it. Nothing accepted is lost by skipping
   one: after a sync the model is θ_global, which the parameter server keeps,
   and a restarted trainer pulls the current θ_global in any case (it joins);
   what a skipped checkpoint leaves older is the inner optimizer's moments and
