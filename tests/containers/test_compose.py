@@ -116,27 +116,48 @@ def test_hypha_demo_from_the_host_teaches_the_model(cluster: Cluster, tmp_path: 
     assert Path(report["plot"]).is_file()
 
 
+def _await_replacement(cluster: Cluster, job_id: str, victim_peer: str) -> None:
+    """The job lists a replacement for ``victim_peer`` while it still runs, then succeeds.
+
+    The lost trainer is noticed when its lease lapses (the scheduler's 10 s), so the
+    job must outlive the fault by more than a lease life plus a replacement, or it
+    finishes by quorum with the lost trainer still listed (15 rounds do). The
+    replacement is awaited while the job runs, not inferred from the end state.
+    """
+    replaced = cluster.wait_job(
+        job_id,
+        timeout=300,
+        until=lambda j: (
+            state(j) in ("succeeded", "failed", "cancelled")
+            or (
+                state(j) == "running"
+                and victim_peer not in j.get("workers", [])
+                and len(j.get("workers", [])) >= 3  # the server and two trainers
+            )
+        ),
+    )
+    assert state(replaced) == "running", replaced
+    job = cluster.wait_job(job_id, timeout=600)
+    assert state(job) == "succeeded", job
+    assert victim_peer not in job.get("workers", [])
+
+
 # One rerun: on a loaded 2-core runner nine containers' healthchecks and a
 # recovery can push a job past its deadline (seen once in ~4 runs); a real
 # defect fails both attempts.
 @pytest.mark.flaky(reruns=1)
 def test_a_killed_trainer_is_replaced(cluster: Cluster) -> None:
-    job_id = cluster.submit("compose-kill", rounds=5)
+    job_id = cluster.submit("compose-kill", rounds=15)
     eventually(lambda: _running_round(cluster, job_id, 1), 240, "round 1")
     victim_peer, victim = _victim(cluster, job_id)
     subprocess.run(["docker", "kill", victim], check=True, capture_output=True, timeout=60)
     try:
-        job = cluster.wait_job(job_id, timeout=600)
-        assert state(job) == "succeeded", job
-        assert victim_peer not in job.get("workers", [])
+        _await_replacement(cluster, job_id, victim_peer)
     finally:
         subprocess.run(["docker", "start", victim], check=True, capture_output=True, timeout=60)
         eventually(lambda: cluster.health(victim) == "healthy", 120, "the killed worker back")
 
 
-# The job must outlive the cut by more than a lease life (the scheduler's 10 s) plus a
-# replacement, or it finishes by quorum with the cut-off trainer still listed: 15 rounds,
-# and the replacement is awaited while the job runs, not inferred from the end state.
 def test_a_partitioned_trainer_is_replaced_and_rejoins(cluster: Cluster) -> None:
     job_id = cluster.submit("compose-partition", rounds=15)
     eventually(lambda: _running_round(cluster, job_id, 1), 240, "round 1")
@@ -146,23 +167,7 @@ def test_a_partitioned_trainer_is_replaced_and_rejoins(cluster: Cluster) -> None
     address = networks[network]["IPAddress"]  # reconnected at the same IP, which it advertises
     subprocess.run(["docker", "network", "disconnect", network, victim], check=True, timeout=60)
     try:
-        # Its lease lapses; a replacement is leased and listed while the job still runs.
-        replaced = cluster.wait_job(
-            job_id,
-            timeout=300,
-            until=lambda j: (
-                state(j) in ("succeeded", "failed", "cancelled")
-                or (
-                    state(j) == "running"
-                    and victim_peer not in j.get("workers", [])
-                    and len(j.get("workers", [])) >= 3  # the server and two trainers
-                )
-            ),
-        )
-        assert state(replaced) == "running", replaced
-        job = cluster.wait_job(job_id, timeout=600)
-        assert state(job) == "succeeded", job
-        assert victim_peer not in job.get("workers", [])
+        _await_replacement(cluster, job_id, victim_peer)
     finally:
         subprocess.run(
             ["docker", "network", "connect", "--ip", address, network, victim], check=True, timeout=60
