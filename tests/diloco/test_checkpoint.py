@@ -219,3 +219,36 @@ def test_damaged_packed_state_is_data_loss(damage: str) -> None:
         blob = save({"params/w": torch.zeros(6, 3)})
     with pytest.raises(DataLossError):
         checkpoint.unpack(blob)
+
+
+def test_a_pack_is_checkpointed_as_it_is_and_restores_bit_for_bit(tmp_path: Path) -> None:
+    # The server packs a round's state once: the scheduler's copy and the local checkpoint
+    # are the same bytes.
+    original = _core()
+    for rnd in range(2):
+        _run_round(original, now=float(rnd))
+    blob = checkpoint.pack(original)
+
+    checkpoint.save_packed(tmp_path, blob)
+
+    manifest = json.loads((tmp_path / checkpoint.MANIFEST_NAME).read_bytes())
+    assert (tmp_path / manifest["tensors_file"]).read_bytes() == blob
+    assert manifest["round_number"] == 2
+    restored = checkpoint.load(tmp_path)
+    _assert_same_state(original, restored)
+    a, b = _run_round(original, now=2.0), _run_round(restored, now=2.0)
+    for name in SHAPES:
+        assert torch.equal(a.params[name], b.params[name])
+
+
+def test_a_blob_that_is_not_a_pack_is_never_checkpointed(tmp_path: Path) -> None:
+    from safetensors.torch import save
+
+    checkpoint.save(tmp_path, _core())
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    with pytest.raises(DataLossError, match="not a packed parameter-server state"):
+        checkpoint.save_packed(tmp_path, save({"params/w": torch.zeros(6, 3)}))
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    _assert_same_state(checkpoint.load(tmp_path), _core())

@@ -3,7 +3,8 @@
 A checkpoint is two files in one directory:
 
 - ``state-<round>-<token>.safetensors``: θ_global (``params/<name>``) and the
-  momentum buffer (``momentum/<name>``), fp32;
+  momentum buffer (``momentum/<name>``), fp32 (a ``pack`` blob: the same
+  bytes the scheduler keeps, so a round's state is serialized once);
 - ``checkpoint.json``: round number, expected workers, outer settings and step
   count, quorum and timeouts, and the name and sha256 of the tensors file.
 
@@ -70,11 +71,25 @@ def save(directory: str | Path, core: ParameterServerCore) -> Path:
     is about to collect). Older tensor files are removed once the new
     manifest is in place.
     """
+    return save_packed(directory, pack(core))
+
+
+def save_packed(directory: str | Path, blob: bytes) -> Path:
+    """``save`` from a ``pack`` blob, which is written as the tensors file as it is.
+
+    A parameter server packs each round's state once, for the scheduler, and
+    checkpoints the same bytes: a pack's tensors carry the names a tensors file
+    does, and ``read`` ignores the header's metadata.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors, manifest = _tensors_and_manifest(core)
-    blob = _st_save(tensors)
-    tensors_name = f"state-{core.round_number:08d}-{secrets.token_hex(4)}.safetensors"
+    try:
+        metadata = read_metadata(blob)
+        manifest = json.loads(metadata[PACKED_MANIFEST_KEY])
+        round_number = int(manifest["round_number"])
+    except (HyphaError, KeyError, TypeError, ValueError) as exc:
+        raise DataLossError(f"not a packed parameter-server state: {exc!r}") from None
+    tensors_name = f"state-{round_number:08d}-{secrets.token_hex(4)}.safetensors"
     write_atomic(directory / tensors_name, blob)
     manifest["tensors_file"] = tensors_name
     manifest["tensors_sha256"] = hashlib.sha256(blob).hexdigest()

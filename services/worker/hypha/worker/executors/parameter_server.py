@@ -254,12 +254,17 @@ class ParameterServer:
         if update is None:
             return None
         # Both copies of the round's state must be durable before its update goes out: the
-        # local checkpoint (a restarted process resumes from it; four fsyncs, ~30 ms) is
-        # written while the packed state is published and committed at the scheduler. Nothing
-        # changes the core meanwhile: the next delta is handled only after this tick.
-        saving = asyncio.ensure_future(asyncio.to_thread(checkpoint.save, self.checkpoint_dir, core))
+        # state is packed once; the local checkpoint of those bytes (a restarted process
+        # resumes from it; four fsyncs, ~30 ms) is written, and the new θ_global encoded,
+        # while the pack is published and committed at the scheduler. Nothing changes the
+        # core meanwhile: the next delta is handled only after this tick.
+        packed = await asyncio.to_thread(checkpoint.pack, core)
+        saving = asyncio.ensure_future(asyncio.to_thread(checkpoint.save_packed, self.checkpoint_dir, packed))
+        theta = asyncio.ensure_future(
+            asyncio.to_thread(self._write_theta, update.next_round, core.outer.parameters())
+        )
         try:
-            state_path = await asyncio.to_thread(self._write_state, core)
+            state_path = await asyncio.to_thread(self._write_state, core.round_number, packed)
             await self.bridge.publish_tensors(kind=STATE_KIND, round=core.round_number, path=state_path)
             logger.info(
                 "round %d complete: %d samples from %s%s",
@@ -281,10 +286,9 @@ class ParameterServer:
             except UnavailableError as exc:  # the rounds go on (see the module's NOTE)
                 logger.warning("metrics of round %d not delivered: %s", update.round_number, exc.message)
         finally:
-            await asyncio.wait([saving])  # never leave the checkpoint's thread behind
+            await asyncio.wait([saving, theta])  # never leave a thread behind
         saving.result()  # a failed local checkpoint fails the server before the update leaves
-        path = await asyncio.to_thread(self._write_theta, update.next_round, core.outer.parameters())
-        update_path = path
+        path = update_path = theta.result()
         if update.fragment is not None:
             update_path = await asyncio.to_thread(self._write_update, update.round_number, update.params)
         await self.bridge.publish_tensors(kind=UPDATE, round=update.round_number, path=update_path)
@@ -341,9 +345,9 @@ class ParameterServer:
         path.write_bytes(blob)
         return path
 
-    def _write_state(self, core: ParameterServerCore) -> Path:
-        path = self.published_dir / f"state-{core.round_number:08d}.safetensors"
-        path.write_bytes(checkpoint.pack(core))
+    def _write_state(self, round_number: int, packed: bytes) -> Path:
+        path = self.published_dir / f"state-{round_number:08d}.safetensors"
+        path.write_bytes(packed)
         return path
 
     def _prune_published(self, newest: int) -> None:
