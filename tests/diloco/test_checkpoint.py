@@ -221,19 +221,23 @@ def test_damaged_packed_state_is_data_loss(damage: str) -> None:
         checkpoint.unpack(blob)
 
 
-def test_a_pack_is_checkpointed_as_it_is_and_restores_bit_for_bit(tmp_path: Path) -> None:
-    # The server packs a round's state once: the scheduler's copy and the local checkpoint
-    # are the same bytes.
+def test_the_checkpoint_file_is_a_pack_and_commits_only_with_its_manifest(tmp_path: Path) -> None:
+    # The server writes a round's state once: the local checkpoint's file, which it also
+    # publishes for the scheduler, is byte for byte what ``pack`` gives.
     original = _core()
-    for rnd in range(2):
-        _run_round(original, now=float(rnd))
-    blob = checkpoint.pack(original)
+    _run_round(original, now=0.0)
+    checkpoint.save(tmp_path, original)
+    committed = checkpoint.load(tmp_path)
+    _run_round(original, now=1.0)
 
-    checkpoint.save_packed(tmp_path, blob)
+    written = checkpoint.write_pack(tmp_path, original)
 
-    manifest = json.loads((tmp_path / checkpoint.MANIFEST_NAME).read_bytes())
-    assert (tmp_path / manifest["tensors_file"]).read_bytes() == blob
-    assert manifest["round_number"] == 2
+    assert written.path.read_bytes() == checkpoint.pack(original)
+    _assert_same_state(checkpoint.load(tmp_path), committed)  # not the checkpoint yet
+    manifest_path = checkpoint.commit(written)
+    manifest = json.loads(manifest_path.read_bytes())
+    assert manifest["tensors_file"] == written.path.name and manifest["round_number"] == 2
+    assert sorted(p.name for p in tmp_path.glob("state-*")) == [written.path.name]
     restored = checkpoint.load(tmp_path)
     _assert_same_state(original, restored)
     a, b = _run_round(original, now=2.0), _run_round(restored, now=2.0)
@@ -241,14 +245,17 @@ def test_a_pack_is_checkpointed_as_it_is_and_restores_bit_for_bit(tmp_path: Path
         assert torch.equal(a.params[name], b.params[name])
 
 
-def test_a_blob_that_is_not_a_pack_is_never_checkpointed(tmp_path: Path) -> None:
-    from safetensors.torch import save
+def test_a_pack_file_left_uncommitted_by_a_crash_is_never_read_and_goes_with_the_next_commit(
+    tmp_path: Path,
+) -> None:
+    core = _core()
+    checkpoint.save(tmp_path, core)
+    _run_round(core, now=0.0)
+    orphan = checkpoint.write_pack(tmp_path, core).path  # the process died before commit
+    orphan.write_bytes(orphan.read_bytes()[:100])  # and the file is torn
 
-    checkpoint.save(tmp_path, _core())
-    before = sorted(p.name for p in tmp_path.iterdir())
-
-    with pytest.raises(DataLossError, match="not a packed parameter-server state"):
-        checkpoint.save_packed(tmp_path, save({"params/w": torch.zeros(6, 3)}))
-
-    assert sorted(p.name for p in tmp_path.iterdir()) == before
     _assert_same_state(checkpoint.load(tmp_path), _core())
+    checkpoint.save(tmp_path, core)
+
+    assert not orphan.exists()
+    _assert_same_state(checkpoint.load(tmp_path), core)

@@ -133,10 +133,10 @@ async def test_a_failed_local_checkpoint_fails_the_server_before_its_update_goes
 ) -> None:
     # The local checkpoint is written beside the state's publication and commit; both must
     # be durable before the round's update leaves, so a disk that refuses it stops the round.
-    def full_disk(directory: object, packed: object) -> Path:
+    def full_disk(written: object) -> Path:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "save_packed", full_disk)
+    monkeypatch.setattr(checkpoint, "commit", full_disk)
     network = _network(tmp_path, vit_dir)
     ps = _server(network, FakeClock(50.0))
     task = asyncio.ensure_future(ps.run())

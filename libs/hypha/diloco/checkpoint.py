@@ -3,13 +3,15 @@
 A checkpoint is two files in one directory:
 
 - ``state-<round>-<token>.safetensors``: θ_global (``params/<name>``) and the
-  momentum buffer (``momentum/<name>``), fp32 (a ``pack`` blob: the same
-  bytes the scheduler keeps, so a round's state is serialized once);
+  momentum buffer (``momentum/<name>``), fp32 (the bytes of a ``pack``: the
+  parameter server publishes this file for the scheduler, so a round's state
+  is serialized once);
 - ``checkpoint.json``: round number, expected workers, outer settings and step
   count, quorum and timeouts, and the name and sha256 of the tensors file.
 
-Each file is written to a temporary name, fsynced and moved into place with
-``os.replace``. The JSON goes last and is the commit point: until it is
+Each file is written to a temporary name and moved into place, and fsynced
+before the JSON names it (``write_pack``, then ``commit``). The JSON goes last,
+with ``os.replace``, and is the commit point: until it is
 replaced, the previous JSON still names the previous tensors file, which is
 only deleted afterwards. A crash at any moment therefore leaves one complete,
 verifiable checkpoint (the old or the new), never a mix. Tensor files carry a
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +36,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
+from safetensors.torch import save_file as _st_save_file
 
 from hypha.diloco.outer import NesterovOuter, OuterStateDict
 from hypha.diloco.rounds import ParameterServerCore, Quorum
 from hypha.errors import DataLossError, HyphaError, NotFoundError
-from hypha.fsutil import write_atomic
+from hypha.fsutil import fsync_dir, write_atomic
 from hypha.tensors.payload import read_metadata
 
 FORMAT_VERSION = 1
@@ -71,32 +75,55 @@ def save(directory: str | Path, core: ParameterServerCore) -> Path:
     is about to collect). Older tensor files are removed once the new
     manifest is in place.
     """
-    return save_packed(directory, pack(core))
+    return commit(write_pack(directory, core))
 
 
-def save_packed(directory: str | Path, blob: bytes) -> Path:
-    """``save`` from a ``pack`` blob, which is written as the tensors file as it is.
+@dataclass(frozen=True)
+class PackFile:
+    """A state written as a ``pack`` file in a checkpoint directory, not yet committed.
 
-    A parameter server packs each round's state once, for the scheduler, and
-    checkpoints the same bytes: a pack's tensors carry the names a tensors file
-    does, and ``read`` ignores the header's metadata.
+    Its bytes are what ``pack`` returns, so the parameter server publishes this very
+    file (a hard link) for the scheduler while ``commit`` makes it durable: a round's
+    state is serialized once, straight to disk (``safetensors.torch.save_file``; a
+    ``bytes`` of a large state faults in fresh pages twice, docs/performance.md).
+    """
+
+    path: Path
+    manifest: dict[str, Any]
+
+
+def write_pack(directory: str | Path, core: ParameterServerCore) -> PackFile:
+    """Write ``core``'s state as a new ``state-<round>-<token>.safetensors`` in ``directory``.
+
+    No manifest names it yet: until ``commit``, the checkpoint is still the old one,
+    and a file left by a crash here is removed by the next commit.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    tensors, manifest = _tensors_and_manifest(core)
+    path = directory / f"state-{core.round_number:08d}-{secrets.token_hex(4)}.safetensors"
+    partial = path.with_name(f".{path.name}.tmp")
     try:
-        metadata = read_metadata(blob)
-        manifest = json.loads(metadata[PACKED_MANIFEST_KEY])
-        round_number = int(manifest["round_number"])
-    except (HyphaError, KeyError, TypeError, ValueError) as exc:
-        raise DataLossError(f"not a packed parameter-server state: {exc!r}") from None
-    tensors_name = f"state-{round_number:08d}-{secrets.token_hex(4)}.safetensors"
-    write_atomic(directory / tensors_name, blob)
-    manifest["tensors_file"] = tensors_name
-    manifest["tensors_sha256"] = hashlib.sha256(blob).hexdigest()
+        _st_save_file(tensors, partial, metadata=_pack_metadata(manifest))
+        partial.rename(path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return PackFile(path, manifest)
+
+
+def commit(written: PackFile) -> Path:
+    """Make ``written`` the checkpoint: fsync it, then replace the manifest; its path."""
+    directory, name = written.path.parent, written.path.name
+    with open(written.path, "rb") as handle:
+        os.fsync(handle.fileno())
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
+    fsync_dir(directory)
+    manifest = {**written.manifest, "tensors_file": name, "tensors_sha256": digest}
     manifest_path = directory / MANIFEST_NAME
     write_atomic(manifest_path, json.dumps(manifest, indent=2, sort_keys=True).encode())
     for stale in directory.glob("state-*.safetensors"):
-        if stale.name != tensors_name:
+        if stale.name != name:
             stale.unlink(missing_ok=True)
     return manifest_path
 
@@ -136,11 +163,14 @@ def pack(core: ParameterServerCore) -> bytes:
     scheduler) can tell which round a blob holds from its header alone.
     """
     tensors, manifest = _tensors_and_manifest(core)
-    metadata = {
+    return bytes(_st_save(tensors, metadata=_pack_metadata(manifest)))
+
+
+def _pack_metadata(manifest: dict[str, Any]) -> dict[str, str]:
+    return {
         PACKED_MANIFEST_KEY: json.dumps(manifest, sort_keys=True),
-        PACKED_ROUND_KEY: str(core.round_number),
+        PACKED_ROUND_KEY: str(manifest["round_number"]),
     }
-    return bytes(_st_save(tensors, metadata=metadata))
 
 
 def unpack(blob: bytes) -> Checkpoint:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import shutil
 import sys
 import time
@@ -254,17 +255,17 @@ class ParameterServer:
         if update is None:
             return None
         # Both copies of the round's state must be durable before its update goes out: the
-        # state is packed once; the local checkpoint of those bytes (a restarted process
-        # resumes from it; four fsyncs, ~30 ms) is written, and the new θ_global encoded,
-        # while the pack is published and committed at the scheduler. Nothing changes the
-        # core meanwhile: the next delta is handled only after this tick.
-        packed = await asyncio.to_thread(checkpoint.pack, core)
-        saving = asyncio.ensure_future(asyncio.to_thread(checkpoint.save_packed, self.checkpoint_dir, packed))
+        # state is written once, as a pack file in the checkpoint directory; it is committed
+        # there (a restarted process resumes from it; fsyncs and a sha256), and the new
+        # θ_global encoded, while the same file is published and committed at the scheduler.
+        # Nothing changes the core meanwhile: the next delta is handled only after this tick.
+        written = await asyncio.to_thread(checkpoint.write_pack, self.checkpoint_dir, core)
+        saving = asyncio.ensure_future(asyncio.to_thread(checkpoint.commit, written))
         theta = asyncio.ensure_future(
             asyncio.to_thread(self._write_theta, update.next_round, core.outer.parameters())
         )
         try:
-            state_path = await asyncio.to_thread(self._write_state, core.round_number, packed)
+            state_path = await asyncio.to_thread(self._publish_copy, core.round_number, written.path)
             await self.bridge.publish_tensors(kind=STATE_KIND, round=core.round_number, path=state_path)
             logger.info(
                 "round %d complete: %d samples from %s%s",
@@ -345,9 +346,15 @@ class ParameterServer:
         path.write_bytes(blob)
         return path
 
-    def _write_state(self, round_number: int, packed: bytes) -> Path:
+    def _publish_copy(self, round_number: int, pack_file: Path) -> Path:
+        """The round's pack under the published directory: a hard link to the checkpoint's file
+        (never rewritten: a new checkpoint is a new file), a copy where links do not work."""
         path = self.published_dir / f"state-{round_number:08d}.safetensors"
-        path.write_bytes(packed)
+        path.unlink(missing_ok=True)
+        try:
+            os.link(pack_file, path)
+        except OSError:  # another file system, or one without hard links
+            shutil.copyfile(pack_file, path)
         return path
 
     def _prune_published(self, newest: int) -> None:
