@@ -12,8 +12,9 @@ module wires it to the bridge:
   dispatched with ``start_round`` > 0) restore the state the scheduler kept
   and pushes into the "ps-state" inbox; publish θ_global as "global";
 - each delta from the bridge's inbox goes to the core; whenever a round
-  completes, the core is checkpointed and packed (``checkpoint.pack``) and the
-  pack published as "ps-state"; the round's figures go out as metrics, with
+  completes, its state is written once as a pack file (``checkpoint.write_pack``),
+  published as "ps-state" and committed as the local checkpoint
+  (``checkpoint.commit``); the round's figures go out as metrics, with
   ``state_round``: the scheduler pulls the pack before it acknowledges them
   (the round's commit, ``docs/fault-tolerance.md``); then the new θ_global
   is published as that round's "update" and as the next round's "global"
