@@ -3,7 +3,7 @@
 A checkpoint is two files in one directory:
 
 - ``state-<round>-<token>.safetensors``: θ_global (``params/<name>``) and the
-  momentum buffer (``momentum/<name>``), fp32 (the bytes of a ``pack``: the
+  momentum buffer (``momentum/<name>``), fp32 (a ``pack``, which ``unpack`` reads: the
   parameter server publishes this file for the scheduler, so a round's state
   is serialized once);
 - ``checkpoint.json``: round number, expected workers, outer settings and step
@@ -82,7 +82,8 @@ def save(directory: str | Path, core: ParameterServerCore) -> Path:
 class PackFile:
     """A state written as a ``pack`` file in a checkpoint directory, not yet committed.
 
-    Its bytes are what ``pack`` returns, so the parameter server publishes this very
+    It is a ``pack`` (what ``unpack`` reads; the header's metadata order is safetensors'
+    hash-map order, so not always the same bytes), so the parameter server publishes this very
     file (a hard link) for the scheduler while ``commit`` makes it durable: a round's
     state is serialized once, straight to disk (``safetensors.torch.save_file``; a
     ``bytes`` of a large state faults in fresh pages twice, docs/performance.md).
