@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,28 @@ async def test_sync_after_counts_down_and_bf16_deltas_travel_as_bf16(
     for sent in network.deltas():
         assert {t.dtype for t in decode_state(sent.data, None).values()} == {torch.bfloat16}
     assert ps.core is not None and ps.core.outer.steps == 2
+
+
+async def test_every_inner_step_runs_on_the_trainers_one_training_thread(
+    tmp_path: Path, gpt2_dir: Path, slices: dict[str, list[Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Slices are loaded and deltas written on asyncio's shared pool meanwhile; a step that
+    # hopped between its threads ran ~7 % slower (diloco_trainer's NOTE).
+    threads: list[str] = []
+    step = diloco_trainer.train_step
+
+    def recorded(*args: Any) -> float:
+        threads.append(threading.current_thread().name)
+        return step(*args)
+
+    monkeypatch.setattr(diloco_trainer, "train_step", recorded)
+    network = _network(tmp_path, gpt2_dir, slices, ("t0",), rounds=2)
+    network.policy = sync_every({"t0": 3})
+
+    codes = await _run(_server(network).run(), _trainer(network, "t0").run())
+
+    assert codes == [0, 0]
+    assert len(threads) == 6 and set(threads) == {"hypha-train_0"}, threads
 
 
 async def test_int8_deltas_are_a_quarter_of_fp32_and_the_server_steps_with_what_it_decoded(

@@ -51,6 +51,10 @@ Decisions (NOTE):
   scheduler that repeats its directive cannot postpone the sync forever.
 - The checkpoint is written in the background, while the next round trains,
   and not every round when rounds are short (``checkpoint_writer``).
+- Every inner step runs on one thread of its own, never on the shared pool
+  that ``asyncio.to_thread`` uses for file work: a step that moves from thread
+  to thread was ~7 % slower (a 0.85M-parameter GPT-2 on the CPU, 29.1 against
+  26.9 ms a batch; docs/performance.md).
 - The bridge answering "unavailable" (the scheduler or the parameter server's
   worker cannot be reached for now) never ends the job: a progress report
   counts as ``continue``, a slice request as "no data yet", a delta or an
@@ -60,6 +64,7 @@ Decisions (NOTE):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import sys
@@ -146,6 +151,8 @@ class DilocoTrainer:
         self._reports = ReportPipe(self.options.report_interval_s, self.options.clock)
         #: Where batches come from (set once the job is known).
         self._feed: SliceFeed | None = None
+        #: The one thread every inner step runs on (module NOTE).
+        self._steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hypha-train")
 
     @property
     def fragments(self) -> list[list[str]] | None:
@@ -171,6 +178,8 @@ class DilocoTrainer:
             logger.error("trainer failed: %s", message)
             await self._report_failure(message)
             return 1
+        finally:
+            self._steps.shutdown(wait=False)  # a step still running ends with its batch
         return 0
 
     async def _report_failure(self, message: str) -> None:
@@ -249,7 +258,9 @@ class DilocoTrainer:
             feed.fetch_ahead()
             # Off the event loop: the last batch's progress report, the next slice (and,
             # streaming, the fragment in flight) move while this one trains.
-            loss = await asyncio.to_thread(train_step, model, optimizer, self.kind, to_device(batch, device))
+            loss = await asyncio.get_running_loop().run_in_executor(
+                self._steps, train_step, model, optimizer, self.kind, to_device(batch, device)
+            )
             elapsed = time.perf_counter() - started
             stats.batches += 1
             stats.samples += batch_rows(batch)
