@@ -19,13 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hypha.dht import records
+from hypha.dht.provider_table import ProviderTable, PutOutcome
 from hypha.dht.records import (
     MAX_ADDRESSES,
     MAX_DATASET_CHARS,
     MAX_RECORD_BYTES,
     ProviderRecord,
-    ProviderTable,
-    PutOutcome,
     RecordVerifier,
     canonical_json,
     next_seq,

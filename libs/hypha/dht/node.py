@@ -26,7 +26,8 @@ from hypha.dht.cache import ProviderCache
 from hypha.dht.health import PeerHealth, RttWindow
 from hypha.dht.lookup import iterative_lookup
 from hypha.dht.protocol import MAX_PAGES, NoValues, ProviderProtocol, parse_nodes, provider_key
-from hypha.dht.records import ProviderRecord, ProviderTable, RecordVerifier
+from hypha.dht.provider_table import ProviderTable
+from hypha.dht.records import ProviderRecord, RecordVerifier
 from hypha.errors import InvalidArgumentError
 from hypha.service import BackgroundTasks, Service
 

@@ -46,7 +46,8 @@ from kademlia.protocol import KademliaProtocol
 from kademlia.storage import IStorage
 
 from hypha.dht.health import PeerHealth, RttWindow
-from hypha.dht.records import MAX_RECORD_BYTES, ProviderTable, RecordVerifier
+from hypha.dht.provider_table import ProviderTable
+from hypha.dht.records import MAX_RECORD_BYTES, RecordVerifier
 from hypha.errors import HyphaError
 from hypha.service import BackgroundTasks
 
