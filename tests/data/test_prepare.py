@@ -16,12 +16,12 @@ from safetensors.torch import save_file
 from hypha.datasets import synthetic
 from hypha.datasets.format import Dataset
 from hypha.datasets.prepare import (
-    main_prepare,
     prepare_arrays,
     prepare_synthetic,
     prepare_text,
     write_dataset,
 )
+from hypha.datasets.prepare_cli import main_prepare
 from hypha.errors import AlreadyExistsError, HyphaError, InvalidArgumentError, NotFoundError
 
 BYTE_EOS, BYTE_PAD = synthetic.BYTE_EOS_ID, synthetic.BYTE_PAD_ID

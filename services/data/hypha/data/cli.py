@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypha.cli.node import RoleCli, main_for
 from hypha.data.config import DataNodeSettings
-from hypha.datasets.prepare import main_prepare
+from hypha.datasets.prepare_cli import main_prepare
 from hypha.pki.identity import Role
 
 CLI = RoleCli(
