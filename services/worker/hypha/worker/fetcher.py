@@ -16,11 +16,10 @@ from their signed provider records; ``pinned_manifests``), the manifest is
 fetched and checked against it first and every slice is then checked against
 the manifest's sha256, so no data node can serve other bytes under the name.
 
-The cache is bounded (``max_cache_bytes``, the ``jobs.slice_cache_bytes``
-setting): after each store the least recently used slices (by mtime, which a
-cache hit refreshes) are deleted until the cache fits, and a slice larger than
-the whole cache is refused naming the setting. A cached file is re-hashed
-before every use, so a rotted or half-written one is never served.
+The cache (``slice_cache``) is bounded (``max_cache_bytes``, the
+``jobs.slice_cache_bytes`` setting, least recently used slices go first) and
+re-hashes a cached file before every use, so a rotted or half-written one is
+never served.
 
 ``prefetch`` starts a background fetch of the slice a trainer will need next,
 so it is on disk by the time the current one is used up; a later ``fetch`` of
@@ -30,11 +29,8 @@ the same slice joins that download instead of starting another.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import os
 import random
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +44,6 @@ from hypha.errors import (
     HyphaError,
     InvalidArgumentError,
     OutOfRangeError,
-    ResourceExhaustedError,
     UnavailableError,
 )
 from hypha.net.backoff import Backoff
@@ -59,11 +54,11 @@ from hypha.tensors.chunk_frames import ChunkView, parse_chunk
 from hypha.tensors.chunks import ChunkAssembler, ChunkFeeder
 from hypha.v1 import common_pb2, data_pb2
 from hypha.worker.pinned_manifests import PinnedManifests, PinnedProvider, common_pin
+from hypha.worker.slice_cache import SliceCache
 
 log = logging.getLogger(__name__)
 
 _SHA256_HEX_LEN = 64
-_READ_BLOCK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -160,13 +155,12 @@ class SliceFetcher(Resource):
         if max_prefetch < 0 or attempts_per_provider < 1:
             raise InvalidArgumentError("max_prefetch must be >= 0 and attempts_per_provider >= 1")
         self.tls = tls
-        self.cache_dir = Path(cache_dir)
+        self.cache = SliceCache(cache_dir, max_cache_bytes)
         self.max_prefetch = max_prefetch
         self.attempts_per_provider = attempts_per_provider
         self.chunk_timeout_s = chunk_timeout_s
         self.stream_timeout_s = stream_timeout_s
         self.max_slice_bytes = max_slice_bytes
-        self.max_cache_bytes = max_cache_bytes
         self.backoff_base_s = backoff_base_s
         self.backoff_cap_s = backoff_cap_s
         self._connect = connect or self._direct
@@ -198,7 +192,7 @@ class SliceFetcher(Resource):
     def cached(self, dataset: str, index: int, sha256: str | None = None) -> Path | None:
         """The cached file of a slice if there is one (not re-hashed: ``fetch`` does that)."""
         expected = sha256 or self._manifest_sha(dataset, index)
-        return self._find_cached(dataset, index, expected)
+        return self.cache.find(dataset, index, expected)
 
     async def fetch(
         self, dataset: str, index: int, providers: Sequence[ProviderInfo], *, sha256: str | None = None
@@ -300,13 +294,14 @@ class SliceFetcher(Resource):
             raise InvalidArgumentError(
                 f"expected sha256 of {dataset} slice {index} is malformed: {expected!r}"
             )
-        hit = await asyncio.to_thread(self._verified_cached, dataset, index, expected)
+        hit = await asyncio.to_thread(self.cache.verified, dataset, index, expected)
         if hit is not None:
             self.stats["hits"] += 1
             return hit
         payload, digest = await self._download(dataset, index, providers, expected)
-        path = await asyncio.to_thread(self._store, dataset, index, payload, digest)
+        path = await asyncio.to_thread(self.cache.store, dataset, index, payload, digest)
         self.stats["downloads"] += 1
+        self.stats["evicted"] = self.cache.evicted
         return path
 
     async def _pinned_sha(self, dataset: str, index: int, providers: list[ProviderInfo]) -> str:
@@ -478,74 +473,3 @@ class SliceFetcher(Resource):
             task = asyncio.create_task(channel.close(grace=self.chunk_timeout_s))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
-
-    # ---- cache -------------------------------------------------------------------------
-
-    def _slice_dir(self, dataset: str) -> Path:
-        return self.cache_dir / dataset
-
-    def _find_cached(self, dataset: str, index: int, expected: str) -> Path | None:
-        folder = self._slice_dir(dataset)
-        if expected:
-            path = folder / f"{index:06d}-{expected}.safetensors"
-            return path if path.is_file() else None
-        matches = sorted(folder.glob(f"{index:06d}-*.safetensors")) if folder.is_dir() else []
-        return matches[0] if matches else None
-
-    def _verified_cached(self, dataset: str, index: int, expected: str) -> Path | None:
-        """A cached copy whose bytes still hash to the sha256 in its name; a rotted one is deleted."""
-        path = self._find_cached(dataset, index, expected)
-        if path is None:
-            return None
-        digest = hashlib.sha256()
-        with path.open("rb") as file:
-            while block := file.read(_READ_BLOCK):
-                digest.update(block)
-        if digest.hexdigest() == path.stem.rsplit("-", 1)[-1]:
-            os.utime(path)  # recently used: the last to be evicted
-            return path
-        log.warning("cached slice %s fails its sha256 check; fetching it again", path)
-        path.unlink(missing_ok=True)
-        return None
-
-    def _store(self, dataset: str, index: int, payload: bytes, digest: str) -> Path:
-        if len(payload) > self.max_cache_bytes:
-            raise ResourceExhaustedError(
-                f"{dataset} slice {index} has {len(payload)} bytes, more than the whole slice cache "
-                f"(jobs.slice_cache_bytes = {self.max_cache_bytes})"
-            )
-        folder = self._slice_dir(dataset)
-        folder.mkdir(parents=True, exist_ok=True)
-        target = folder / f"{index:06d}-{digest}.safetensors"
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{index:06d}-", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as file:
-                file.write(payload)
-            # NOTE: no fsync: the cache is disposable and every read re-hashes the file, so a
-            # torn write after a crash is caught and fetched again.
-            os.replace(tmp_name, target)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
-        self._evict(keep=target)
-        return target
-
-    def _evict(self, keep: Path) -> None:
-        """Delete the least recently used slices until the cache holds at most ``max_cache_bytes``."""
-        entries = []
-        for path in self.cache_dir.glob("*/*.safetensors"):
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
-            entries.append((st.st_mtime_ns, st.st_size, path))
-        total = sum(size for _, size, _ in entries)
-        for _, size, path in sorted(entries, key=lambda entry: entry[0]):
-            if total <= self.max_cache_bytes:
-                return
-            if path == keep:
-                continue
-            path.unlink(missing_ok=True)
-            total -= size
-            self.stats["evicted"] += 1
-            log.debug("slice cache over %d bytes: evicted %s", self.max_cache_bytes, path)
