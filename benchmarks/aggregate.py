@@ -64,7 +64,7 @@ def measure(worker_count: int, repeats: int) -> dict[str, Any]:
     import torch
 
     from hypha.diloco.outer import NesterovOuter
-    from hypha.diloco.rounds import ParameterServerCore
+    from hypha.diloco.server_core import ParameterServerCore
     from hypha.memtune import tune_malloc
 
     tune_malloc()  # as the parameter server's process does (its BridgeClient); the bare ops share it

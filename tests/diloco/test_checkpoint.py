@@ -10,7 +10,7 @@ import torch
 
 from hypha.diloco import checkpoint
 from hypha.diloco.outer import NesterovOuter
-from hypha.diloco.rounds import ParameterServerCore, RoundUpdate
+from hypha.diloco.server_core import ParameterServerCore, RoundUpdate
 from hypha.errors import DataLossError, NotFoundError
 from hypha.tensors.payload import read_metadata
 

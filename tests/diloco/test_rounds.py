@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 
 from hypha.diloco.outer import NesterovOuter
 from hypha.diloco.rounds import (
-    ParameterServerCore,
     QuorumNotMetError,
     Round,
     RoundState,
     quorum_count,
 )
+from hypha.diloco.server_core import ParameterServerCore
 from hypha.errors import (
     AlreadyExistsError,
     FailedPreconditionError,

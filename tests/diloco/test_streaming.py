@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from hypha.diloco import checkpoint
 from hypha.diloco.outer import NesterovOuter
-from hypha.diloco.rounds import ParameterServerCore
+from hypha.diloco.server_core import ParameterServerCore
 from hypha.diloco.streaming import (
     FragmentedOuter,
     StreamingSchedule,

@@ -39,7 +39,8 @@ from safetensors.torch import save as _st_save
 from safetensors.torch import save_file as _st_save_file
 
 from hypha.diloco.outer import NesterovOuter, OuterStateDict
-from hypha.diloco.rounds import ParameterServerCore, Quorum
+from hypha.diloco.rounds import Quorum
+from hypha.diloco.server_core import ParameterServerCore
 from hypha.errors import DataLossError, HyphaError, NotFoundError
 from hypha.fsutil import fsync_dir, write_atomic
 from hypha.tensors.payload import read_metadata

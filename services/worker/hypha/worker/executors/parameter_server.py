@@ -64,7 +64,8 @@ from torch import nn
 from hypha import factories, models
 from hypha.diloco import checkpoint
 from hypha.diloco.outer import NesterovOuter
-from hypha.diloco.rounds import DeltaReceipt, ParameterServerCore, RoundUpdate
+from hypha.diloco.rounds import DeltaReceipt
+from hypha.diloco.server_core import ParameterServerCore, RoundUpdate
 from hypha.diloco.streaming import fragments_for
 from hypha.errors import (
     AlreadyExistsError,
