@@ -32,7 +32,7 @@ from hypha.errors import InvalidArgumentError, NotFoundError, PermissionDeniedEr
 from hypha.models import ModelKind
 from hypha.tensors.payload import decode_state, encode_state
 from hypha.v1 import common_pb2
-from hypha.worker.executors import training
+from hypha.worker.executors import trainer_state, training
 from hypha.worker.executors.diloco_trainer import DilocoTrainer
 from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
 from tests.executors import (
@@ -418,7 +418,7 @@ async def test_a_trainer_runs_a_round_fetching_data_reporting_progress_and_takin
     model = models.build_model(common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_CAUSAL_LM), gpt2_dir)
     optimizer = training.make_inner_optimizer(model, training.InnerSettings())
     state_dir = network.job_for("t0").work_dir / "trainer-state"
-    assert training.load_trainer_state(state_dir, model, optimizer) == training.TrainerState(1, 24)
+    assert trainer_state.load_trainer_state(state_dir, model, optimizer) == trainer_state.TrainerState(1, 24)
     assert server.core is not None
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), server.core.outer.parameters()[name]), name

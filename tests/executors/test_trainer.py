@@ -18,7 +18,7 @@ from hypha.errors import UnavailableError
 from hypha.models import ModelKind
 from hypha.tensors.payload import decode_state, encode_state
 from hypha.v1 import common_pb2
-from hypha.worker.executors import diloco_trainer, training
+from hypha.worker.executors import diloco_trainer, trainer_state, training
 from hypha.worker.executors.diloco_trainer import DilocoTrainer, TrainerOptions
 from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
 from tests.executors import FakeBridge, FakeNetwork, diloco_spec, sync_after_first, sync_every, write_slices
@@ -338,10 +338,10 @@ async def test_the_trainer_process_trains_through_the_real_job_bridge(
     assert (work_dir / "resources" / "model" / "config.json").exists()  # fetched by the worker
     assert [m[1] for m in network.metrics if m[0] == "t0"] == [0, 1]
     # The trainer's checkpoint holds the θ_global of the last update.
-    saved = training.TrainerState(2, 48)
+    saved = trainer_state.TrainerState(2, 48)
     model = models.build_model(common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_CAUSAL_LM), gpt2_dir)
     optimizer = training.make_inner_optimizer(model, training.InnerSettings())
-    assert training.load_trainer_state(work_dir / "trainer-state", model, optimizer) == saved
+    assert trainer_state.load_trainer_state(work_dir / "trainer-state", model, optimizer) == saved
     assert ps.core is not None
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), ps.core.outer.parameters()[name])

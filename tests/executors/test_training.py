@@ -16,7 +16,7 @@ from hypha.errors import DataLossError, InvalidArgumentError
 from hypha.models import ModelKind
 from hypha.tensors.payload import decode_state
 from hypha.v1 import common_pb2
-from hypha.worker.executors import training
+from hypha.worker.executors import trainer_state, training
 from hypha.worker.executors.checkpoint_writer import CheckpointWriter
 from hypha.worker.executors.training import BatchStream, InnerSettings
 
@@ -191,14 +191,14 @@ def test_trainer_state_round_trips_model_optimizer_and_round(tmp_path: Path) -> 
         optimizer.zero_grad()
         model(batch["x"]).pow(2).mean().backward()
         optimizer.step()
-    state = training.TrainerState(round_number=5, samples_total=120)
+    state = trainer_state.TrainerState(round_number=5, samples_total=120)
 
-    training.save_trainer_state(tmp_path, model, optimizer, state)
-    training.save_trainer_state(tmp_path, model, optimizer, state)  # a second save replaces the first
+    trainer_state.save_trainer_state(tmp_path, model, optimizer, state)
+    trainer_state.save_trainer_state(tmp_path, model, optimizer, state)  # a second save replaces the first
 
     fresh = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     fresh_optimizer = training.make_inner_optimizer(fresh, InnerSettings(lr=1e-2))
-    assert training.load_trainer_state(tmp_path, fresh, fresh_optimizer) == state
+    assert trainer_state.load_trainer_state(tmp_path, fresh, fresh_optimizer) == state
     for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     saved, loaded = optimizer.state_dict(), fresh_optimizer.state_dict()
@@ -221,18 +221,22 @@ def test_a_snapshot_written_later_holds_the_state_of_when_it_was_taken(tmp_path:
         optimizer.step()
 
     step()
-    model_state, optimizer_state = training.snapshot_trainer_state(model, optimizer)
+    model_state, optimizer_state = trainer_state.snapshot_trainer_state(model, optimizer)
     expected = {n: t.clone() for n, t in model.state_dict().items()}
     expected_avg = {k: v["exp_avg"].clone() for k, v in optimizer.state_dict()["state"].items()}
     step()  # the live tensors move on while the copy waits for its thread
 
     # Execute
-    training.write_trainer_state(tmp_path, model_state, optimizer_state, training.TrainerState(3, 8))
+    trainer_state.write_trainer_state(
+        tmp_path, model_state, optimizer_state, trainer_state.TrainerState(3, 8)
+    )
 
     # Assert
     fresh = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     fresh_optimizer = training.make_inner_optimizer(fresh, InnerSettings(lr=1e-2))
-    assert training.load_trainer_state(tmp_path, fresh, fresh_optimizer) == training.TrainerState(3, 8)
+    assert trainer_state.load_trainer_state(tmp_path, fresh, fresh_optimizer) == trainer_state.TrainerState(
+        3, 8
+    )
     assert all(torch.equal(fresh.state_dict()[n], t) for n, t in expected.items())
     assert not torch.equal(fresh.state_dict()["0.weight"], model.state_dict()["0.weight"])
     loaded = fresh_optimizer.state_dict()["state"]
@@ -248,13 +252,13 @@ async def test_checkpoints_are_spaced_by_their_interval_and_the_last_round_is_al
     now = [1000.0]
     writer = CheckpointWriter(interval_s=60.0, clock=lambda: now[0])
 
-    async def boundary(round_number: int, last: bool = False) -> training.TrainerState | None:
+    async def boundary(round_number: int, last: bool = False) -> trainer_state.TrainerState | None:
         now[0] += 20.0
-        state = training.TrainerState(round_number, 8 * round_number)
+        state = trainer_state.TrainerState(round_number, 8 * round_number)
         written = await writer.write(tmp_path, model, optimizer, state, last=last)
         await writer.settled()
         fresh = nn.Linear(4, 2)
-        on_disk = training.load_trainer_state(
+        on_disk = trainer_state.load_trainer_state(
             tmp_path, fresh, training.make_inner_optimizer(fresh, InnerSettings())
         )
         assert written == (on_disk == state)
@@ -267,17 +271,17 @@ async def test_checkpoints_are_spaced_by_their_interval_and_the_last_round_is_al
 
 def test_no_trainer_checkpoint_means_a_fresh_start(tmp_path: Path) -> None:
     model = nn.Linear(2, 2)
-    assert training.load_trainer_state(tmp_path, model, torch.optim.AdamW(model.parameters())) is None
+    assert trainer_state.load_trainer_state(tmp_path, model, torch.optim.AdamW(model.parameters())) is None
 
 
 def test_a_damaged_trainer_checkpoint_is_data_loss(tmp_path: Path) -> None:
     model = nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
-    training.save_trainer_state(tmp_path, model, optimizer, training.TrainerState(1))
+    trainer_state.save_trainer_state(tmp_path, model, optimizer, trainer_state.TrainerState(1))
     victim = next(tmp_path.glob("model-*.safetensors"))
     victim.write_bytes(victim.read_bytes()[:-1] + b"\x00")
     with pytest.raises(DataLossError):
-        training.load_trainer_state(tmp_path, model, optimizer)
+        trainer_state.load_trainer_state(tmp_path, model, optimizer)
 
 
 def test_the_spec_reads_from_a_proto_or_its_json() -> None:

@@ -1,6 +1,6 @@
 """The trainer's checkpoint at round boundaries, written in a thread while the next round trains.
 
-The checkpoint (model, inner optimizer, round: ``training.write_trainer_state``)
+The checkpoint (model, inner optimizer, round: ``trainer_state.write_trainer_state``)
 lets a restarted trainer resume at the round boundary it was taken at.
 
 Decisions (NOTE):
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hypha.worker.executors.training import TrainerState, snapshot_trainer_state, write_trainer_state
+from hypha.worker.executors.trainer_state import TrainerState, snapshot_trainer_state, write_trainer_state
 
 logger = logging.getLogger(__name__)
 

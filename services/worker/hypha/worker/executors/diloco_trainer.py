@@ -91,15 +91,14 @@ from hypha.worker.executors.reports import (
     report_progress,
 )
 from hypha.worker.executors.slice_feed import SliceFeed
+from hypha.worker.executors.trainer_state import TrainerState, load_trainer_state
 from hypha.worker.executors.training import (
     BatchStream,
     Bridge,
     InnerSettings,
-    TrainerState,
     batch_rows,
     delta_encoder,
     diloco_spec,
-    load_trainer_state,
     make_inner_optimizer,
     to_device,
     train_step,
