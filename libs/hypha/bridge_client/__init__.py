@@ -32,10 +32,10 @@ from hypha.bridge_client.client import (
     JobInfo,
     Received,
     SliceInfo,
-    SyncBridgeClient,
     apply_torch_threads,
     torch_threads,
 )
+from hypha.bridge_client.sync_client import SyncBridgeClient
 
 __all__ = [
     "ENV_EXECUTOR",
