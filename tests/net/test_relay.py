@@ -26,7 +26,7 @@ from hypha.net.connector import PeerConnector
 from hypha.net.link import NodeLink
 from hypha.net.messages import RELAY_CHANNEL, Message
 from hypha.net.relay import Relay, RelayChannel, RelayLimits
-from hypha.net.relay_client import SERVER_SIDE, FramesLostError, Sequencer, frame_message_id
+from hypha.net.relay_frames import SERVER_SIDE, FramesLostError, Sequencer, frame_message_id
 from hypha.net.server import NodeServer
 from hypha.pki.certs import load_cert_chain
 from hypha.pki.identity import PeerIdentity, Role, peer_id_of

@@ -6,7 +6,7 @@ import pytest
 from google.protobuf.message import DecodeError
 
 from hypha.net.messages import Message, RawDelivery, server_frame
-from hypha.net.relay_client import relay_frame_bytes
+from hypha.net.relay_frames import relay_frame_bytes
 from hypha.net.wire import Encoded, field_number, frame_bytes, split_field, varint
 from hypha.v1 import gateway_pb2
 

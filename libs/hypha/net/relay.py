@@ -35,11 +35,11 @@ from google.protobuf.message import DecodeError
 
 from hypha.net.interceptors import DEFAULT_RECHECK_S
 from hypha.net.messages import RELAY_CHANNEL, Message
-from hypha.net.relay_client import (
+from hypha.net.relay_client import ClientCall, ClientEndpoint
+from hypha.net.relay_context import RelayBinding, RelayServicerContext, relayed_identity
+from hypha.net.relay_frames import (
     CLIENT_SIDE,
     MAX_RELAY_MESSAGE_BYTES,
-    ClientCall,
-    ClientEndpoint,
     Deserializer,
     DirectLink,
     RelayLimits,
@@ -49,7 +49,6 @@ from hypha.net.relay_client import (
     passthrough,
     rpc_error,
 )
-from hypha.net.relay_context import RelayBinding, RelayServicerContext, relayed_identity
 from hypha.net.relay_server import ServerEndpoint
 from hypha.pki.crl import RevocationChecker
 from hypha.service import BackgroundTasks, Resource, Service

@@ -32,7 +32,8 @@ import grpc
 from hypha.net.interceptors import DEFAULT_RECHECK_S, status_for
 from hypha.net.messages import RELAY_CHANNEL, Message
 from hypha.net.policy import is_allowed
-from hypha.net.relay_client import (
+from hypha.net.relay_context import HandlerTable, RelayBinding, RelayServicerContext, relayed_identity
+from hypha.net.relay_frames import (
     SERVER_SIDE,
     DirectLink,
     FramesLostError,
@@ -45,7 +46,6 @@ from hypha.net.relay_client import (
     passthrough,
     relay_frame_bytes,
 )
-from hypha.net.relay_context import HandlerTable, RelayBinding, RelayServicerContext, relayed_identity
 from hypha.net.relay_revocation import OpenCallRevocations, Refusal
 from hypha.pki.crl import RevocationChecker
 from hypha.pki.identity import PeerIdentity
