@@ -129,6 +129,25 @@ async def test_list_shows_every_dataset_and_picks_up_new_ones_without_restart(pk
     assert after.datasets[0].slice_count == 2
 
 
+async def test_a_dataset_replaced_under_its_name_is_served_anew_and_an_unchanged_one_never_rescanned(
+    pki: Pki, toy: Dataset
+) -> None:
+    data_dir = toy.root.parent
+    async with data_node(pki.tls("data"), data_dir) as (server, servicer):
+        before = await stream(pki.tls("worker"), server.address, "toy", 1)
+        again = await stream(pki.tls("worker"), server.address, "toy", 1)
+        scans_unchanged = servicer.catalog.scans
+
+        # The same name, other samples, installed as `hypha-data prepare --overwrite` does
+        replaced = write_dataset(sample_tensors(seed=7), data_dir, "toy", samples_per_slice=8, overwrite=True)
+        after = await stream(pki.tls("worker"), server.address, "toy", 1)
+
+    old, new = b"".join(c.data for c in before), b"".join(c.data for c in after)
+    assert old == b"".join(c.data for c in again) and scans_unchanged == 1
+    assert new == replaced.slice_path(1).read_bytes() and new != old
+    assert after[0].metadata["sha256"] == replaced.slice_sha256(1) != toy.slice_sha256(1)
+
+
 async def test_a_missing_data_dir_serves_nothing_until_a_dataset_is_prepared(
     pki: Pki, tmp_path: Path
 ) -> None:

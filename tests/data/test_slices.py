@@ -195,3 +195,53 @@ def test_an_offset_at_the_end_yields_nothing(dataset: Dataset) -> None:
     verified = VerifiedFiles()
     for _ in range(2):  # checked first, then hashed
         assert read_all(opened(dataset, verified, 0, offset=dataset.slice_size(0))) == []
+
+
+def test_read_now_gives_cached_chunks_unless_the_stream_must_hash(dataset: Dataset) -> None:
+    # Prepare: checked whole (in memory), then trusted (page cache), then hashed as it goes
+    clock = Clock()
+    verified = VerifiedFiles(trust_s=60, clock=clock)
+    whole = dataset.slice_path(2).read_bytes()
+    got: dict[str, list[bytes]] = {}
+    asked_thread: dict[str, bool] = {}
+
+    # Execute: take what read_now gives, and what it refuses from next_chunk (a thread's read)
+    for advance in (0, 30, 61):
+        clock.now += advance
+        reader = opened(dataset, verified, 2, 1000, 10)
+        chunks: list[bytes] = []
+        asked_thread[reader.mode] = False
+        try:
+            while not reader.done:
+                data = reader.read_now()
+                if data is None:
+                    asked_thread[reader.mode] = True
+                    data = reader.next_chunk()
+                assert data is not None
+                chunks.append(bytes(data))
+        finally:
+            reader.close()
+        got[reader.mode] = chunks
+
+    # Assert: the same bytes every way; only the hashing stream needs the thread
+    for chunks in got.values():
+        assert b"".join(chunks) == whole[10:]
+        assert all(len(c) == 1000 for c in chunks[:-1])
+    assert asked_thread == {"whole": False, "trusted": False, "hashed": True}
+
+
+def test_open_without_the_whole_check_leaves_a_changed_file_for_the_thread(dataset: Dataset) -> None:
+    # Prepare: slice 0 checked once, then rewritten with the same bytes (a new stamp)
+    verified = VerifiedFiles(trust_s=60)
+    read_all(opened(dataset, verified, 0))
+    path = dataset.slice_path(0)
+    path.write_bytes(path.read_bytes())
+
+    # Execute
+    reader = SliceReader(dataset, 0, 1000, 0, verified)
+    known, quick = reader.known, reader.open(check_whole=False)
+    reader.open()
+
+    # Assert: refused on the loop's terms, then checked whole
+    assert (known, quick, reader.mode) == (True, False, "whole")
+    assert b"".join(read_all(reader)) == path.read_bytes()

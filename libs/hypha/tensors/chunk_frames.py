@@ -22,7 +22,7 @@ from hypha.v1 import common_pb2
 _DATA = field_number(common_pb2.Chunk, "data")
 
 
-def encode_chunk(header: common_pb2.Chunk, data: bytes | memoryview) -> bytes:
+def encode_chunk(header: common_pb2.Chunk, data: bytes | bytearray | memoryview) -> bytes:
     """``header`` (its ``data`` unset) with ``data`` as its data field, serialized; ``data`` is
     copied once. A stream's serializer passes the result through (``hypha.net.wire.frame_bytes``)."""
     return bytes(Encoded.with_field(header, "data", data))

@@ -5,9 +5,12 @@ hypha.data.slices): a file served for the first time, or changed since, is
 hashed whole before its first chunk leaves, so a slice that rotted on disk is
 refused with ``DATA_LOSS`` and not one of its bytes is sent; a file that
 passed before is hashed as it is read, one chunk ahead of the wire, and its
-last chunk is withheld if the bytes no longer match. Reads and hashing run in
-worker threads (``asyncio.to_thread``) so several readers are served in
-parallel and the event loop keeps answering while a large slice is hashed.
+last chunk is withheld if the bytes no longer match. Hashing and reads that
+would wait for the disk run in worker threads (``asyncio.to_thread``) so
+several readers are served in parallel and the event loop keeps answering
+while a large slice is hashed; a trusted slice already in the page cache is
+read on the loop (``SliceReader.read_now``), since each thread hop cost more
+than the read (docs/performance.md, "Slices without thread hops").
 The number of streams at once (and so the slices held in memory) is bounded
 by ``max_concurrent_streams``; a caller that cannot get a slot within
 ``stream_wait_s`` gets ``RESOURCE_EXHAUSTED`` (retryable), never an unbounded
@@ -91,11 +94,32 @@ class DatasetCatalog:
         return self._datasets
 
     async def get(self, name: str) -> Dataset:
+        if (known := self._unchanged(name)) is not None:
+            return known
         datasets = await self.datasets()
         try:
             return datasets[name]
         except KeyError:
             raise NotFoundError(f"no dataset named {name!r} on this data node") from None
+
+    def _unchanged(self, name: str) -> Dataset | None:
+        """``name`` as last scanned if neither the data dir nor its manifest changed since.
+
+        NOTE: two stats on the loop, of entries every stream touches (so cached): a thread
+        hop for the whole signature cost more than the rest of a small slice's stream
+        (docs/performance.md, "Slices without thread hops"). Anything else scans as before.
+        """
+        signature, dataset = self._signature, self._datasets.get(name)
+        if signature is None or dataset is None:
+            return None
+        try:
+            top = self.data_dir.stat().st_mtime_ns
+            st = os.stat(os.path.join(self.data_dir, name, MANIFEST_NAME))
+        except OSError:
+            return None
+        if top != signature[0] or (name, st.st_ino, st.st_size, st.st_mtime_ns) not in signature[1]:
+            return None
+        return dataset
 
     def _scan(self) -> dict[str, Dataset]:
         if not self.data_dir.is_dir():
@@ -171,7 +195,9 @@ class DataNodeServicer(data_pb2_grpc.DataNodeServicer):
         async with self._slot(dataset.name, index):
             reader = SliceReader(dataset, index, self.chunk_bytes, offset, self.verified)
             try:
-                await asyncio.to_thread(reader.open)
+                # A file served lately opens on the loop; a whole check goes to a thread.
+                if not (reader.known and reader.open(check_whole=False)):
+                    await asyncio.to_thread(reader.open)
             except DataLossError as err:
                 self.stats["refused_corrupt"] += 1
                 log.error("refusing to serve %s slice %d: %s", dataset.name, index, err.message)
@@ -219,10 +245,9 @@ class DataNodeServicer(data_pb2_grpc.DataNodeServicer):
 
 async def _chunk_messages(
     dataset: Dataset, index: int, offset: int, reader: SliceReader
-) -> AsyncGenerator[tuple[common_pb2.Chunk, bytes], None]:
-    """The stream's chunks as (header, data). The next one is read (and hashed) in a worker
-    thread while the caller sends this one; closing the generator waits for that read, then
-    closes the reader."""
+) -> AsyncGenerator[tuple[common_pb2.Chunk, bytes | bytearray], None]:
+    """The stream's chunks as (header, data); closing the generator waits for a read in flight,
+    then closes the reader."""
     size = dataset.slice_size(index)
     sha = dataset.slice_sha256(index)
     metadata = {
@@ -233,26 +258,21 @@ async def _chunk_messages(
     }
     position = offset
     first = True
-    pending = asyncio.ensure_future(asyncio.to_thread(reader.next_chunk))
     try:
-        while (data := await pending) is not None:
-            pending = asyncio.ensure_future(asyncio.to_thread(reader.next_chunk))
-            chunk = common_pb2.Chunk(offset=position)
-            position += len(data)
-            if first:
-                chunk.total_size = size
-                chunk.content_type = CONTENT_TYPE
-                chunk.metadata.update(metadata)
-                first = False
-            if position >= size:
-                chunk.last = True
-                chunk.sha256 = sha
-            yield chunk, data
+        async with aclosing(_slice_data(reader)) as pieces:
+            async for data in pieces:
+                chunk = common_pb2.Chunk(offset=position)
+                position += len(data)
+                if first:
+                    chunk.total_size = size
+                    chunk.content_type = CONTENT_TYPE
+                    chunk.metadata.update(metadata)
+                    first = False
+                if position >= size:
+                    chunk.last = True
+                    chunk.sha256 = sha
+                yield chunk, data
     finally:
-        # A thread cannot be stopped: the read in flight finishes before the file is closed.
-        await asyncio.wait([pending])
-        if not pending.cancelled():
-            pending.exception()  # retrieved: the stream already ended for its own reason
         reader.close()
     if first:  # resumed at the very end: nothing left but the verdict
         header = common_pb2.Chunk(
@@ -264,6 +284,30 @@ async def _chunk_messages(
             sha256=sha,
         )
         yield header, b""
+
+
+async def _slice_data(reader: SliceReader) -> AsyncGenerator[bytes | bytearray, None]:
+    """An opened reader's chunks. Taken on the loop when ``read_now`` can (cached, no hashing);
+    otherwise read in a worker thread, one chunk ahead while the caller sends this one
+    (hashing or waiting for the disk). Closing waits for the read in flight: a thread cannot
+    be stopped, and the file must not close under it."""
+    ahead: asyncio.Future[bytes | bytearray | None] | None = None
+    try:
+        while not reader.done:
+            if ahead is not None:
+                data, ahead = await ahead, None
+            elif (data := reader.read_now()) is None:
+                data = await asyncio.to_thread(reader.next_chunk)
+                if not reader.done:  # this one needed a thread: so will the next, start it now
+                    ahead = asyncio.ensure_future(asyncio.to_thread(reader.next_chunk))
+            if data is None:
+                return
+            yield data
+    finally:
+        if ahead is not None:
+            await asyncio.wait([ahead])
+            if not ahead.cancelled():
+                ahead.exception()  # retrieved: the stream already ended for its own reason
 
 
 #: ``add_DataNodeServicer_to_server`` with ``StreamSlice``'s chunks sent as the pre-encoded bytes
