@@ -113,7 +113,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 async def _ours_round(channels: list[Any], plan: list[list[int]]) -> float:
     from hypha.tensors.chunks import ChunkAssembler, ChunkFeeder
     from hypha.v1 import data_pb2
-    from hypha.worker.fetcher import stream_slice
+    from hypha.worker.slice_stream import stream_slice
 
     async def reader(channel: Any, indices: list[int]) -> int:
         call = stream_slice(channel)  # the worker's SliceFetcher's call

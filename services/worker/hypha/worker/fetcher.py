@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from hypha.datasets.format import CONTENT_TYPE, Manifest, validate_dataset_name
+from hypha.datasets.format import Manifest, validate_dataset_name
 from hypha.dht.records import ProviderRecord
 from hypha.errors import (
     HyphaError,
@@ -50,11 +50,10 @@ from hypha.net.backoff import Backoff
 from hypha.net.channel import secure_channel
 from hypha.net.tls import TlsMaterial
 from hypha.service import Resource
-from hypha.tensors.chunk_frames import ChunkView, parse_chunk
-from hypha.tensors.chunks import ChunkAssembler, ChunkFeeder
-from hypha.v1 import common_pb2, data_pb2
+from hypha.v1 import common_pb2
 from hypha.worker.pinned_manifests import PinnedManifests, PinnedProvider, common_pin
 from hypha.worker.slice_cache import SliceCache
+from hypha.worker.slice_stream import AttemptError, PartialSlice, stream_attempt
 
 log = logging.getLogger(__name__)
 
@@ -91,37 +90,6 @@ class PeerChannels(Protocol):
     async def channel(self, peer_id: str, addresses: list[str]) -> Any: ...
 
     async def invalidate(self, peer_id: str) -> None: ...
-
-
-def stream_slice(channel: Any) -> Any:
-    """``DataNode.StreamSlice`` on ``channel`` (direct or relayed), its chunks read as
-    ``ChunkView``s: their data stays in the received bytes, protobuf copies none of it."""
-    return channel.unary_stream(
-        "/hypha.v1.DataNode/StreamSlice",
-        request_serializer=data_pb2.StreamSliceRequest.SerializeToString,
-        response_deserializer=parse_chunk,
-    )
-
-
-class _AttemptError(Exception):
-    """One attempt on one provider failed; ``keep_partial`` says whether the bytes so far stay valid."""
-
-    def __init__(self, reason: str, *, keep_partial: bool = True, drop_channel: bool = False) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.keep_partial = keep_partial
-        self.drop_channel = drop_channel
-
-
-class _Partial:
-    """A download in progress: the assembler plus which version of the slice its bytes belong to."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.assembler = ChunkAssembler(max_bytes=max_bytes, expected_content_type=CONTENT_TYPE)
-        #: sha256 the first serving provider announced; a resume must come from the same version.
-        self.sha256 = ""
-        #: sha256 carried by the last chunk, once the payload verified.
-        self.verified_sha256 = ""
 
 
 class SliceFetcher(Resource):
@@ -338,18 +306,30 @@ class SliceFetcher(Resource):
         order = providers[start:] + providers[:start]
         backoff = Backoff(self.backoff_base_s, self.backoff_cap_s, rng=self._rng)
         reasons: list[str] = []
-        partial: _Partial | None = None
+        partial: PartialSlice | None = None
         for attempt in range(self.attempts_per_provider * len(order)):
             if attempt and attempt % len(order) == 0:
                 await asyncio.sleep(backoff.next_delay())  # a whole round failed: give them a moment
             provider = order[attempt % len(order)]
             if partial is None:
-                partial = _Partial(self.max_slice_bytes)
+                partial = PartialSlice(self.max_slice_bytes)
             elif partial.assembler.received:
                 self.stats["resumes"] += 1
             try:
-                await self._stream(provider, dataset, index, partial, expected)
-            except _AttemptError as err:
+                try:
+                    channel = await self._channel(provider)
+                except Exception as err:  # a connect callable may fail in its own ways
+                    raise AttemptError(f"cannot connect: {err}") from None
+                await stream_attempt(
+                    channel,
+                    dataset,
+                    index,
+                    partial,
+                    expected,
+                    stream_timeout_s=self.stream_timeout_s,
+                    chunk_timeout_s=self.chunk_timeout_s,
+                )
+            except AttemptError as err:
                 self.stats["failed_attempts"] += 1
                 reasons.append(f"{provider.peer_id}: {err.reason}")
                 log.info(
@@ -364,86 +344,6 @@ class SliceFetcher(Resource):
         raise UnavailableError(
             f"{dataset} slice {index}: all {len(order)} provider(s) failed: " + "; ".join(reasons)
         )
-
-    async def _stream(
-        self, provider: ProviderInfo, dataset: str, index: int, partial: _Partial, expected: str
-    ) -> None:
-        """One StreamSlice call from ``partial``'s offset; returns once the payload verified."""
-        assembler = partial.assembler
-        offset = assembler.received
-        try:
-            channel = await self._channel(provider)
-        except Exception as err:  # a connect callable may fail in its own ways
-            raise _AttemptError(f"cannot connect: {err}") from None
-        call = stream_slice(channel)(
-            data_pb2.StreamSliceRequest(dataset=dataset, index=index, offset=offset),
-            timeout=self.stream_timeout_s,
-        )
-        first = True
-        feeder = ChunkFeeder(assembler)
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout(self.chunk_timeout_s):
-                        chunk = await call.read()
-                except TimeoutError:
-                    raise _AttemptError(
-                        f"no chunk for {self.chunk_timeout_s:g} s", drop_channel=True
-                    ) from None
-                if chunk is grpc.aio.EOF:
-                    await feeder.settle()
-                    raise _AttemptError(
-                        f"stream ended after {assembler.received} bytes without its last chunk"
-                    )
-                assert isinstance(chunk, ChunkView)
-                if first:
-                    self._check_version(chunk, partial, expected, offset)
-                    first = False
-                if chunk.last:
-                    self._check_final_sha(chunk, partial, expected)
-                try:
-                    # Chunk k is hashed (and spooled) in a thread while chunk k+1 comes off the wire.
-                    await feeder.feed(chunk)
-                    if chunk.last:
-                        await feeder.flush()
-                except HyphaError as err:
-                    raise _AttemptError(f"refused the stream: {err.message}", keep_partial=False) from None
-                if assembler.complete:
-                    partial.verified_sha256 = chunk.sha256.lower()
-                    return
-        except grpc.aio.AioRpcError as err:
-            code = err.code()
-            detail = (err.details() or "").splitlines()[0] if err.details() else ""
-            raise _AttemptError(
-                f"{code.name}: {detail}" if detail else code.name,
-                drop_channel=code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED),
-            ) from None
-        finally:
-            if not call.done():
-                call.cancel()
-            await feeder.settle()  # the partial's byte count is final before a resume reads it
-
-    @staticmethod
-    def _check_version(chunk: ChunkView, partial: _Partial, expected: str, offset: int) -> None:
-        """A provider that serves another version of the slice is skipped before its bytes are used."""
-        served = chunk.metadata.get("sha256", "").lower()
-        if expected and served and served != expected:
-            raise _AttemptError(f"serves a different version of the slice (sha256 {served[:12]}...)")
-        if offset and partial.sha256 and served and served != partial.sha256:
-            # The bytes so far belong to another version: start over on the next attempt.
-            raise _AttemptError("cannot resume: serves a different version of the slice", keep_partial=False)
-        if not offset:
-            partial.sha256 = served
-
-    @staticmethod
-    def _check_final_sha(chunk: ChunkView, partial: _Partial, expected: str) -> None:
-        final = chunk.sha256.lower()
-        if expected and final != expected:
-            raise _AttemptError(
-                f"slice sha256 {final[:12]}... is not the expected {expected[:12]}...", keep_partial=False
-            )
-        if partial.sha256 and final != partial.sha256:
-            raise _AttemptError("last chunk's sha256 differs from the first chunk's", keep_partial=False)
 
     # ---- channels ------------------------------------------------------------------
 
