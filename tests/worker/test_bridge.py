@@ -213,7 +213,7 @@ async def test_integers_beyond_their_protobuf_fields_are_400_and_nothing_is_kept
     async with harness.raw.post("/v1/progress", json={**body, "round": 2**32 - 1, "samples": 2**64 - 1}):
         pass
     assert [(r.round, r.samples) for r in harness.link.progress_reports] == [(2**32 - 1, 2**64 - 1)]
-    assert harness.bridge._used == []
+    assert harness.bridge.slices.used == []
 
 
 async def test_openapi_document_covers_every_route(harness: Harness) -> None:

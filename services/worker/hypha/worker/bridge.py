@@ -20,11 +20,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import shutil
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, TypeVar
 
 from aiohttp import web
 from google.protobuf import json_format
@@ -51,8 +50,8 @@ from hypha.worker.bridge_http import (
     tensor_response,
 )
 from hypha.worker.bridge_openapi import OPENAPI
+from hypha.worker.bridge_slices import SliceHandout, SliceSource
 from hypha.worker.execution_state import ExecutionRecord, JobDispatch
-from hypha.worker.fetcher import ProviderInfo
 from hypha.worker.model_fetch import ResourceFetcher, ResourceSource
 from hypha.worker.scheduler_link import LogForwarder, SchedulerLink
 from hypha.worker.transfer import TensorExchange
@@ -69,14 +68,6 @@ log = logging.getLogger(__name__)
 SOCKET_NAME = "bridge.sock"
 _LOG_STREAMS = frozenset({"stdout", "stderr", "system"})
 _REPORTED_STATES = frozenset({"running", "succeeded", "failed"})
-
-
-class SliceSource(Protocol):
-    """What ``SliceFetcher`` offers: verified local copies of data slices."""
-
-    async def fetch(self, dataset: str, index: int, providers: Sequence[ProviderInfo]) -> Path: ...
-
-    def prefetch(self, dataset: str, index: int, providers: Sequence[ProviderInfo]) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -114,11 +105,13 @@ class JobBridge:
         self._runner: web.AppRunner | None = None
         self._resource_locks: dict[str, asyncio.Lock] = {}
         self._resources: dict[str, Path] = {}
-        self._slice_lock = asyncio.Lock()
-        self._used: list[int] = []
-        self._ahead: scheduler_pb2.NextSliceResponse | None = None
-        self._lookahead: asyncio.Task[None] | None = None
-        self._slice_files: dict[int, Path] = {}
+        self.slices = SliceHandout(
+            context.dispatch.job_id,
+            context.work_dir,
+            context.link,
+            context.slices,
+            lookahead=context.limits.slice_lookahead,
+        )
         #: Set (and replaced) at each rewiring: tensor calls to a peer that moved give up.
         self._rewired = asyncio.Event()
 
@@ -189,9 +182,7 @@ class JobBridge:
         return self.socket_path
 
     async def stop(self) -> None:
-        if self._lookahead is not None:
-            self._lookahead.cancel()
-            await asyncio.gather(self._lookahead, return_exceptions=True)
+        await self.slices.close()
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
@@ -278,57 +269,11 @@ class JobBridge:
         return web.json_response({"path": str(path)})
 
     async def _next_slice(self, request: web.Request) -> web.Response:
-        if self.ctx.slices is None:
-            raise UnavailableError("this worker cannot fetch data slices")
-        async with self._slice_lock:
-            if self._lookahead is not None:
-                await asyncio.gather(self._lookahead, return_exceptions=True)
-                self._lookahead = None
-            response, self._ahead = self._ahead, None
-            if response is None:
-                response = await self._ask_slice()
-            if not response.available:
-                return web.Response(status=204)
-            providers = [ProviderInfo.from_proto(peer) for peer in response.providers]
-            fetched = await self.ctx.slices.fetch(response.dataset, response.index, providers)
-            path = await asyncio.to_thread(self._place_slice, response.index, fetched)
-            if self.ctx.limits.slice_lookahead:
-                self._lookahead = asyncio.create_task(self._look_ahead(), name=f"slices-{self.job_id}")
-        return web.json_response({"index": response.index, "epoch": response.epoch, "path": str(path)})
-
-    async def _ask_slice(self) -> scheduler_pb2.NextSliceResponse:
-        used, self._used = self._used, []
-        try:
-            return await self.ctx.link.next_slice(
-                scheduler_pb2.NextSliceRequest(job_id=self.job_id, used=used)
-            )
-        except BaseException:
-            self._used = used + self._used  # reported with the next request instead
-            raise
-
-    async def _look_ahead(self) -> None:
-        """Reserve the following slice now and start downloading it, so the next call is a local hit."""
-        try:
-            response = await self._ask_slice()
-        except Exception as err:
-            log.debug("job %s: slice lookahead failed: %r", self.job_id, err)
-            return
-        if response.available and self.ctx.slices is not None:
-            self._ahead = response
-            providers = [ProviderInfo.from_proto(peer) for peer in response.providers]
-            self.ctx.slices.prefetch(response.dataset, response.index, providers)
-
-    def _place_slice(self, index: int, fetched: Path) -> Path:
-        """The slice as a file of the work dir: a copy (through a hard link the job could write the cache)."""
-        root = self.ctx.work_dir.resolve()
-        if fetched.resolve().is_relative_to(root):
-            return fetched
-        target = root / "slices" / f"{index:06d}.safetensors"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.unlink(missing_ok=True)
-        shutil.copyfile(fetched, target)
-        self._slice_files[index] = target
-        return target
+        handed = await self.slices.next()
+        if handed is None:
+            return web.Response(status=204)
+        index, epoch, path = handed
+        return web.json_response({"index": index, "epoch": epoch, "path": str(path)})
 
     async def _slices_used(self, request: web.Request) -> web.Response:
         data = await self._body(request)
@@ -337,11 +282,7 @@ class JobBridge:
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= UINT32_MAX for i in indices
         ):
             raise InvalidArgumentError(f"'indices' must be a list of integers from 0 to {UINT32_MAX}")
-        self._used.extend(indices)
-        for index in indices:
-            placed = self._slice_files.pop(index, None)
-            if placed is not None:
-                placed.unlink(missing_ok=True)
+        self.slices.mark_used(indices)
         return web.json_response({})
 
     async def _progress(self, request: web.Request) -> web.Response:
@@ -497,7 +438,6 @@ __all__ = [
     "BridgeLimits",
     "JobBridge",
     "ParameterServerRestored",
-    "SliceSource",
     "bind_unix_socket",
     "resolve_inside",
 ]

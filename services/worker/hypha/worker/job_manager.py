@@ -39,7 +39,8 @@ from hypha.errors import (
 from hypha.market.resources import ExecutorKind
 from hypha.service import Service
 from hypha.worker import executors
-from hypha.worker.bridge import BridgeContext, JobBridge, SliceSource
+from hypha.worker.bridge import BridgeContext, JobBridge
+from hypha.worker.bridge_slices import SliceSource
 from hypha.worker.execution import REATTACHABLE, RUNNING_REPORT, Execution, is_reattach, is_rewiring
 from hypha.worker.execution_state import ExecutionRecord, ExecutionState, JobDispatch, StopCause
 from hypha.worker.gpu_slots import GpuSlots
