@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,11 +116,17 @@ def write_pack(directory: str | Path, core: ParameterServerCore) -> PackFile:
 
 
 def commit(written: PackFile) -> Path:
-    """Make ``written`` the checkpoint: fsync it, then replace the manifest; its path."""
+    """Make ``written`` the checkpoint: fsync it, then replace the manifest; its path.
+
+    The file's sha256 is taken while the fsync waits for the disk (a second thread: both
+    drop the GIL), not after it: each took 4-5 ms of a round for a 0.85M-parameter
+    model's pack, on the parameter server's path to the next θ_global (docs/performance.md).
+    """
     directory, name = written.path.parent, written.path.name
-    with open(written.path, "rb") as handle:
-        os.fsync(handle.fileno())
+    with open(written.path, "rb") as handle, ThreadPoolExecutor(1, "hypha-fsync") as fsync:
+        synced = fsync.submit(os.fsync, handle.fileno())
         digest = hashlib.file_digest(handle, "sha256").hexdigest()
+        synced.result()
     fsync_dir(directory)
     manifest = {**written.manifest, "tensors_file": name, "tensors_sha256": digest}
     manifest_path = directory / MANIFEST_NAME
