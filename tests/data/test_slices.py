@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import hashlib
 import os
+from contextlib import aclosing
 from pathlib import Path
 
 import pytest
 import torch
 
+from hypha.data.servicer import _slice_data
 from hypha.data.slices import FileStamp, SliceReader, VerifiedFiles
 from hypha.datasets.format import Dataset
 from hypha.datasets.prepare import write_dataset
 from hypha.errors import DataLossError, OutOfRangeError
+from tests.helpers import eventually
 
 
 @pytest.fixture
@@ -245,3 +248,29 @@ def test_open_without_the_whole_check_leaves_a_changed_file_for_the_thread(datas
     # Assert: refused on the loop's terms, then checked whole
     assert (known, quick, reader.mode) == (True, False, "whole")
     assert b"".join(read_all(reader)) == path.read_bytes()
+
+
+async def test_a_hashed_stream_reads_each_next_chunk_while_the_caller_holds_this_one(
+    dataset: Dataset,
+) -> None:
+    # Prepare: a slice checked before whose trust lapsed (trust_s = 0): hashed as it is read
+    verified = VerifiedFiles(trust_s=0)
+    read_all(opened(dataset, verified, 1))
+    reader = opened(dataset, verified, 1, chunk=1000)
+    received, chunks = 0, []
+
+    # Execute: hold each chunk until the reader has read the one after it
+    async with aclosing(_slice_data(reader)) as pieces:
+        async for data in pieces:
+            received += len(data)
+            chunks.append(bytes(data))
+            following = min(reader.size, received + 1000)
+            await eventually(
+                lambda end=following: reader.position >= end,
+                timeout=5,
+                message=f"the chunk after byte {received} read ahead",
+            )
+
+    # Assert
+    assert reader.mode == "hashed" and len(chunks) > 10
+    assert b"".join(chunks) == dataset.slice_path(1).read_bytes()  # the last chunk too

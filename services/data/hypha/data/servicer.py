@@ -292,14 +292,20 @@ async def _slice_data(reader: SliceReader) -> AsyncGenerator[bytes | bytearray, 
     (hashing or waiting for the disk). Closing waits for the read in flight: a thread cannot
     be stopped, and the file must not close under it."""
     ahead: asyncio.Future[bytes | bytearray | None] | None = None
+    threaded = False
     try:
-        while not reader.done:
-            if ahead is not None:
+        while True:
+            if ahead is not None:  # first: the read ahead may have been the last chunk
                 data, ahead = await ahead, None
-            elif (data := reader.read_now()) is None:
-                data = await asyncio.to_thread(reader.next_chunk)
-                if not reader.done:  # this one needed a thread: so will the next, start it now
-                    ahead = asyncio.ensure_future(asyncio.to_thread(reader.next_chunk))
+            elif reader.done:
+                return
+            else:
+                data = None if threaded else reader.read_now()
+                if data is None:
+                    threaded = True  # hashing or waiting for the disk: the rest goes to threads
+                    data = await asyncio.to_thread(reader.next_chunk)
+            if threaded and not reader.done:
+                ahead = asyncio.ensure_future(asyncio.to_thread(reader.next_chunk))
             if data is None:
                 return
             yield data
