@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hypha.client.cluster import Cluster, Supervisor
+from hypha.client.cluster import Cluster
+from hypha.client.supervisor import Supervisor
 
 pytestmark = pytest.mark.timeout(120)
 

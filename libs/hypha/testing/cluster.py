@@ -29,8 +29,9 @@ from typing import Any
 
 import grpc
 
-from hypha.client.cluster import Cluster, Supervisor
+from hypha.client.cluster import Cluster
 from hypha.client.follow import TERMINAL
+from hypha.client.supervisor import Supervisor
 from hypha.net.channel import secure_channel
 from hypha.net.tls import PathsTls, TlsMaterial
 from hypha.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc

@@ -37,9 +37,10 @@ from pathlib import Path
 import grpc
 
 from hypha.client import demo_eval
-from hypha.client.cluster import Cluster, stop_process
+from hypha.client.cluster import Cluster
 from hypha.client.follow import TERMINAL, follow_job
 from hypha.client.plot import training_plot
+from hypha.client.supervisor import stop_process
 from hypha.errors import HyphaError
 from hypha.filestream import receive_files
 from hypha.net.channel import secure_channel

@@ -17,13 +17,15 @@ def _add_state_dir(p: argparse.ArgumentParser, workers: bool) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from hypha.client.cluster import DEFAULT_STATE_DIR, up
+    from hypha.client.cluster import DEFAULT_STATE_DIR
+    from hypha.client.supervisor import up
 
     return up(args.state_dir or DEFAULT_STATE_DIR, args.workers)
 
 
 def _down(args: argparse.Namespace) -> int:
-    from hypha.client.cluster import DEFAULT_STATE_DIR, down
+    from hypha.client.cluster import DEFAULT_STATE_DIR
+    from hypha.client.supervisor import down
 
     return down(args.state_dir or DEFAULT_STATE_DIR)
 
