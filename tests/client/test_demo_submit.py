@@ -9,11 +9,14 @@ scheduler does (``NOT_FOUND``, "no data node announces it"), then accepts.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import pytest
 from rich.console import Console
 
 from hypha.client import demo, demo_eval
+from hypha.jobfile import parse_job_toml
 from hypha.net.channel import secure_channel
 from hypha.net.server import NodeServer
 from hypha.testing.pki import Pki
@@ -63,3 +66,12 @@ async def test_any_other_refusal_is_not_waited_out(pki: Pki) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await _submit(pki, servicer)
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT and servicer.calls == 1
+
+
+def test_the_demo_job_warms_up_over_two_rounds_and_clips_each_step() -> None:
+    # The settings that took the demo off its plateau (README, "What hypha demo does").
+    spec = parse_job_toml(demo.job_toml(Path("/models/arithmetic-gpt2"), rounds=3, inner_steps=10)).diloco
+    inner = spec.inner_optimizer
+    assert (inner.warmup_steps, inner.max_grad_norm) == (20, 1.0)
+    assert (inner.learning_rate, inner.beta2) == (demo.INNER_LR, demo.INNER_BETAS[1])
+    assert spec.samples_per_round == demo.TRAINERS * 10 * demo.BATCH

@@ -304,3 +304,62 @@ def test_unset_inner_settings_take_torch_defaults() -> None:
     assert settings == InnerSettings(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
     with pytest.raises(InvalidArgumentError):
         InnerSettings.from_proto(common_pb2.AdamWConfig(beta1=1.5))
+    with pytest.raises(InvalidArgumentError):
+        InnerSettings.from_proto(common_pb2.AdamWConfig(max_grad_norm=-1.0))
+    tuned = InnerSettings.from_proto(common_pb2.AdamWConfig(max_grad_norm=0.5, warmup_steps=8))
+    assert (tuned.max_grad_norm, tuned.warmup_steps) == (0.5, 8)
+
+
+class _Linear(nn.Module):
+    """A torch-kind model: called with the batch's keys, its logits scored against ``labels``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.linear(inputs)
+
+
+def _linear_model() -> nn.Module:
+    torch.manual_seed(0)
+    return _Linear()
+
+
+def _linear_batch() -> dict[str, torch.Tensor]:
+    return {"inputs": torch.randn(8, 4) * 100, "labels": torch.randint(0, 3, (8,))}
+
+
+def test_a_clipped_step_moves_the_parameters_by_at_most_the_norm() -> None:
+    # Plain SGD at lr 1: the step is the (clipped) gradient itself, so its norm is visible.
+    settings, batch = InnerSettings(max_grad_norm=0.01), _linear_batch()
+    clipped, unclipped = _linear_model(), _linear_model()
+    for model, step_settings in ((clipped, settings), (unclipped, None)):
+        before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        training.train_step(model, optimizer, ModelKind.TORCH, batch, step_settings)
+        after = torch.cat([p.detach().flatten() for p in model.parameters()])
+        moved = float(torch.linalg.vector_norm(after - before))
+        if model is clipped:
+            assert moved == pytest.approx(0.01, rel=1e-3)
+        else:
+            assert moved > 1.0  # the same batch's gradient is far larger than the bound
+
+
+def test_warmup_raises_the_rate_linearly_and_resumes_from_the_optimizer_state() -> None:
+    settings, batch = InnerSettings(lr=0.4, warmup_steps=4), _linear_batch()
+    model = _linear_model()
+    optimizer = training.make_inner_optimizer(model, settings)
+    rates = []
+    for _ in range(3):
+        training.train_step(model, optimizer, ModelKind.TORCH, batch, settings)
+        rates.append(optimizer.param_groups[0]["lr"])
+    assert rates == pytest.approx([0.1, 0.2, 0.3])
+
+    # A trainer restarted from its checkpoint: a fresh optimizer, the saved state loaded.
+    resumed_model = _linear_model()
+    resumed = training.make_inner_optimizer(resumed_model, settings)
+    resumed.load_state_dict(optimizer.state_dict())
+    for expected in (0.4, 0.4):
+        training.train_step(resumed_model, resumed, ModelKind.TORCH, batch, settings)
+        assert resumed.param_groups[0]["lr"] == pytest.approx(expected)

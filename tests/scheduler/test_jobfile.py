@@ -139,6 +139,13 @@ def test_job_table_gets_defaults_for_what_it_leaves_out() -> None:
         and d.outer_optimizer.momentum == Defaults.MOMENTUM
     )
     assert d.inner_optimizer.weight_decay == Defaults.WEIGHT_DECAY
+    assert (d.inner_optimizer.max_grad_norm, d.inner_optimizer.warmup_steps) == (0.0, 0)  # both off
+    tuned = parse_job_toml(
+        DILOCO.replace(
+            "[job.model]", "[job.inner_optimizer]\nmax_grad_norm = 1.0\nwarmup_steps = 100\n[job.model]"
+        )
+    ).diloco.inner_optimizer
+    assert (tuned.max_grad_norm, tuned.warmup_steps) == (1.0, 100)
     assert d.delta_dtype == common_pb2.DELTA_DTYPE_FP32 and d.streaming_fragments == 0
     streaming = parse_job_toml(
         DILOCO.replace("max_batch_size = 16", "max_batch_size = 16\nstreaming_fragments = 4")
@@ -224,6 +231,18 @@ def test_malformed_resources_name_the_dotted_key(resources: str, expected: str) 
         (
             ("[job.model]", "[job.inner_optimizer]\nbetas = [0.9]\n[job.model]"),
             "job.inner_optimizer.betas: must be",
+        ),
+        (
+            ("[job.model]", "[job.inner_optimizer]\nmax_grad_norm = -1.0\n[job.model]"),
+            "job.inner_optimizer.max_grad_norm: must be 0 (no clipping) or positive",
+        ),
+        (
+            ("[job.model]", "[job.inner_optimizer]\nwarmup_steps = 0.5\n[job.model]"),
+            "job.inner_optimizer.warmup_steps: must be an integer",
+        ),
+        (
+            ("[job.model]", "[job.inner_optimizer]\nwarmup_steps = -10\n[job.model]"),
+            "job.inner_optimizer.warmup_steps: must not be negative",
         ),
         (
             ("[job.model]", "[job.outer_optimizer]\nmomentum = 1.5\n[job.model]"),

@@ -35,6 +35,9 @@ DiLoCo job::
     [job.inner_optimizer]                # AdamW
     learning_rate = 1e-3
     betas = [0.9, 0.999]
+    weight_decay = 0.01
+    max_grad_norm = 0.0                  # clip each step's gradient norm; 0: off
+    warmup_steps = 0                     # linear learning-rate warmup; 0: off
     [job.outer_optimizer]                # Nesterov
     learning_rate = 0.7
     momentum = 0.9

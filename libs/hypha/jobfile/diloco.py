@@ -8,6 +8,7 @@ documented in ``hypha.jobfile``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 from hypha.jobfile.common import (
@@ -132,6 +133,8 @@ def _adamw(t: Table | None) -> common_pb2.AdamWConfig:
     a.beta2 = t.number("beta2", a.beta2)
     a.epsilon = t.number("epsilon", a.epsilon)
     a.weight_decay = t.number("weight_decay", a.weight_decay)
+    a.max_grad_norm = t.number("max_grad_norm", a.max_grad_norm)
+    a.warmup_steps = t.integer("warmup_steps", a.warmup_steps)
     t.done()
     return a
 
@@ -259,6 +262,8 @@ def check_diloco(d: common_pb2.DilocoJobSpec, key: Callable[[str], str]) -> None
         raise bad(key("inner_optimizer.epsilon"), "must be positive")
     if inner.weight_decay < 0:
         raise bad(key("inner_optimizer.weight_decay"), "must not be negative")
+    if not (math.isfinite(inner.max_grad_norm) and inner.max_grad_norm >= 0):
+        raise bad(key("inner_optimizer.max_grad_norm"), "must be 0 (no clipping) or positive")
     if d.outer_optimizer.learning_rate <= 0:
         raise bad(key("outer_optimizer.learning_rate"), "must be positive")
     if not 0.0 <= d.outer_optimizer.momentum < 1.0:

@@ -284,18 +284,22 @@ class PreprocessorSpec(_message.Message):
     def __init__(self, repository: _Optional[str] = ..., revision: _Optional[str] = ..., filenames: _Optional[_Iterable[str]] = ..., token: _Optional[str] = ..., local_path: _Optional[str] = ...) -> None: ...
 
 class AdamWConfig(_message.Message):
-    __slots__ = ("learning_rate", "beta1", "beta2", "epsilon", "weight_decay")
+    __slots__ = ("learning_rate", "beta1", "beta2", "epsilon", "weight_decay", "max_grad_norm", "warmup_steps")
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     BETA1_FIELD_NUMBER: _ClassVar[int]
     BETA2_FIELD_NUMBER: _ClassVar[int]
     EPSILON_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
     learning_rate: float
     beta1: float
     beta2: float
     epsilon: float
     weight_decay: float
-    def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., epsilon: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+    max_grad_norm: float
+    warmup_steps: int
+    def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., epsilon: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
 
 class NesterovConfig(_message.Message):
     __slots__ = ("learning_rate", "momentum")

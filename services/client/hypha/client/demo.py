@@ -62,6 +62,10 @@ INNER_LR = 3e-3
 #: β2 0.95 instead of 0.999: Adam's step-size estimate follows the gradients faster, which
 #: keeps a long plateau from ending in a loss spike (seen with 0.999 after ~1,000 steps).
 INNER_BETAS = (0.9, 0.95)
+#: Each step's gradient norm clipped to 1.0, the rate warmed up over each trainer's first two
+#: rounds: without them the loss sat on its plateau for a varying 10 to 60+ rounds.
+INNER_MAX_GRAD_NORM = 1.0
+INNER_WARMUP_ROUNDS = 2
 OUTER_LR = 1.0
 OUTER_MOMENTUM = 0.0
 #: Points of the accuracy curve (besides before and after).
@@ -122,6 +126,8 @@ type = "causal-lm"
 [job.inner_optimizer]
 learning_rate = {INNER_LR}
 betas = [{INNER_BETAS[0]}, {INNER_BETAS[1]}]
+max_grad_norm = {INNER_MAX_GRAD_NORM}
+warmup_steps = {INNER_WARMUP_ROUNDS * inner_steps}
 
 [job.outer_optimizer]
 learning_rate = {OUTER_LR}

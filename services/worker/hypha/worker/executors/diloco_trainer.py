@@ -209,7 +209,8 @@ class DilocoTrainer:
         device = torch.device(self.options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model.to(device)
         self.model = model
-        optimizer = make_inner_optimizer(model, InnerSettings.from_proto(spec.inner_optimizer))
+        inner = InnerSettings.from_proto(spec.inner_optimizer)
+        optimizer = make_inner_optimizer(model, inner)
         self._global_sync = GlobalSync(
             ParameterServerLink(bridge, self.ps, self.options),
             self.encoder,
@@ -258,7 +259,7 @@ class DilocoTrainer:
             # Off the event loop: the last batch's progress report, the next slice (and,
             # streaming, the fragment in flight) move while this one trains.
             loss = await asyncio.get_running_loop().run_in_executor(
-                self._steps, train_step, model, optimizer, self.kind, to_device(batch, device)
+                self._steps, train_step, model, optimizer, self.kind, to_device(batch, device), inner
             )
             elapsed = time.perf_counter() - started
             stats.batches += 1

@@ -170,13 +170,18 @@ def delta_encoder(spec: common_pb2.DilocoJobSpec) -> DeltaEncoder:
 
 @dataclass(frozen=True)
 class InnerSettings:
-    """AdamW settings; a field left at proto3's 0 takes torch's default (weight decay stays 0)."""
+    """AdamW settings; a field left at proto3's 0 takes torch's default (weight decay stays 0),
+    and gradient clipping and warmup stay off."""
 
     lr: float = 1e-3
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
+    #: Clip the gradients' global L2 norm to this before each step (0: no clipping).
+    max_grad_norm: float = 0.0
+    #: Linear warmup: step n (from 1) uses lr * min(1, n / warmup_steps) (0: none).
+    warmup_steps: int = 0
 
     @classmethod
     def from_proto(cls, config: common_pb2.AdamWConfig) -> InnerSettings:
@@ -187,8 +192,10 @@ class InnerSettings:
             beta2=config.beta2 or base.beta2,
             eps=config.epsilon or base.eps,
             weight_decay=config.weight_decay,
+            max_grad_norm=config.max_grad_norm,
+            warmup_steps=config.warmup_steps,
         )
-        if settings.lr < 0 or settings.eps < 0 or settings.weight_decay < 0:
+        if min(settings.lr, settings.eps, settings.weight_decay, settings.max_grad_norm) < 0:
             raise InvalidArgumentError(f"invalid inner optimizer settings: {settings}")
         if not (0 <= settings.beta1 < 1 and 0 <= settings.beta2 < 1):
             raise InvalidArgumentError(f"inner betas must be in [0, 1): {settings.beta1}, {settings.beta2}")
@@ -296,18 +303,47 @@ class BatchStream:
 
 
 def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, kind: ModelKind, batch: Mapping[str, torch.Tensor]
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    kind: ModelKind,
+    batch: Mapping[str, torch.Tensor],
+    settings: InnerSettings | None = None,
 ) -> float:
     """One inner step; the batch's loss before the step.
 
-    Reading the loss back waits for the device: the round's mean loss in the
-    progress reports needs the real figure (and the real batch time).
+    ``settings`` adds gradient clipping and warmup (the optimizer itself holds
+    everything else). Reading the loss back waits for the device: the round's
+    mean loss in the progress reports needs the real figure (and the real batch
+    time).
     """
     optimizer.zero_grad(set_to_none=True)
     loss = batch_loss(model, kind, batch)
     loss.backward()
+    if settings is not None:
+        if settings.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+        if settings.warmup_steps:
+            warm_up(optimizer, settings)
     optimizer.step()
     return float(loss.detach())
+
+
+def warm_up(optimizer: torch.optim.Optimizer, settings: InnerSettings) -> None:
+    """Set the learning rate of the step about to be taken.
+
+    The count comes from the optimizer's own state (AdamW keeps each
+    parameter's ``step``), so a trainer resumed from its checkpoint, or one that
+    joins a running job with a fresh optimizer, warms up from where its
+    optimizer stands rather than from a counter of its own.
+    """
+    taken = 0
+    for state in optimizer.state.values():
+        if "step" in state:
+            taken = int(state["step"])
+            break
+    factor = min(1.0, (taken + 1) / settings.warmup_steps)
+    for group in optimizer.param_groups:
+        group["lr"] = settings.lr * factor
 
 
 # ---- θ and Δ -----------------------------------------------------------------------------
