@@ -46,8 +46,12 @@ async def iterative_lookup(
     of them answered.
 
     NOTE: ending with stalled peers unasked-for is safe for provider lookups
-    because every record is stored on all ``ksize`` closest nodes; it turns a
-    dead peer's full RPC timeout into at most ``stall_s``. The caller bounds
+    because every record is stored on the ``ksize`` closest nodes that answered
+    its announce; it turns a dead peer's full RPC timeout into at most
+    ``stall_s``. The price: a live storer that was merely slow when a record
+    was announced lacks it until the record's next republish, so one storer's
+    answer (``find_providers``' early answer) may name fewer providers than
+    the whole walk does. The caller bounds
     the whole walk with ``deadline`` (event-loop time): when it passes, the
     walk returns what it has and abandons the queries still in flight.
 
