@@ -13,7 +13,14 @@ and compares the first with the sender's bytes) is a child process
 runs both ends in this one process and event loop (the mode of the earlier
 figures in docs/performance.md; the JSON's ``mode`` says which ran).
 
-figure = our throughput (MiB/s, median), baseline = raw TLS throughput, ratio = ours/baseline.
+Then the pulls: the receiving worker publishes the first payload it checked as the job's
+global state, as a parameter server's worker publishes θ_global, and this process pulls it
+(``TensorExchange.fetch``, verified and spooled like a trainer's pull), one puller at a time
+(``pull_mib_s``) and four at once (``pull_4_mib_s``, their MiB/s together).
+``serving_cpu_s_per_gib`` is the serving process's CPU seconds per GiB pulled from it (the
+whole process's in ``--one-process`` mode, pullers included).
+
+figure = our push throughput (MiB/s, median), baseline = raw TLS throughput, ratio = ours/baseline.
 """
 
 from __future__ import annotations
@@ -130,27 +137,52 @@ async def serve_receiver(pki_dir: Path, sha256: str) -> None:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
 
+    kept: list[Any] = []
+
     async def drain() -> None:
-        first = True
         while True:
             got = await receiver.next_received("bench", "delta", 3600)
             if got is None:
                 continue
-            if first:  # the exchange verified the sender's sha256; this checks the bytes kept
-                first = False
-                same = hashlib.sha256(await asyncio.to_thread(got.read)).hexdigest() == sha256
-                print("checked" if same else "received payload differs", flush=True)
-            got.release()
+            if kept:
+                got.release()
+                continue
+            # The exchange verified the sender's sha256; this checks the bytes kept, which are
+            # then published for the pulls, as a parameter server publishes θ_global.
+            kept.append(got)
+            same = hashlib.sha256(await asyncio.to_thread(got.read)).hexdigest() == sha256
+            await _publish(receiver, got, Path(scratch.name))
+            print("checked" if same else "received payload differs", flush=True)
+
+    async def answer() -> None:  # "cpu": this process's CPU seconds so far
+        stdin = asyncio.StreamReader()
+        loop = asyncio.get_running_loop()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
+        while line := (await stdin.readline()).decode().strip():
+            if line == "cpu":
+                print(time.process_time(), flush=True)
 
     await server.start()
-    draining = asyncio.create_task(drain())
+    tasks = [asyncio.create_task(drain()), asyncio.create_task(answer())]
     try:
         print(json.dumps({"address": server.address, "peer_id": tls.identity.peer_id}), flush=True)
         await stop.wait()
     finally:
-        draining.cancel()
+        for task in tasks:
+            task.cancel()
         await server.stop(0)
+        for got in kept:
+            got.release()
         scratch.cleanup()
+
+
+async def _publish(exchange: Any, payload: Any, scratch: Path) -> None:
+    """Publish a received payload as the job's global state (its spool file, or a file of it)."""
+    path = payload.path
+    if path is None:
+        path = scratch / "global.safetensors"
+        await asyncio.to_thread(path.write_bytes, payload.read())
+    await exchange.publish("bench", "global", 1, path)
 
 
 def serve_raw(pki_dir: Path, size: int) -> None:
@@ -179,6 +211,7 @@ async def main(quick: bool, one_process: bool) -> None:
     path = Path(scratch.name) / "delta.safetensors"
     path.write_bytes(data)
     children: list[Child] = []
+    kept: list[Any] = []  # the payload published for the pulls (one-process mode)
     receiver: Any = None
     server: Any = None
     try:
@@ -195,7 +228,9 @@ async def main(quick: bool, one_process: bool) -> None:
         else:
             digest = hashlib.sha256(data).hexdigest()
             here = (sys.executable, __file__, "--pki", str(pki.dir))
-            rx, line = await start_child("receiver", *here, "--serve-receiver", "--sha256", digest)
+            rx, line = await start_child(
+                "receiver", *here, "--serve-receiver", "--sha256", digest, stdin=True
+            )
             children.append(rx)
             info = json.loads(line)
             address, peer_id = info["address"], info["peer_id"]
@@ -216,7 +251,10 @@ async def main(quick: bool, one_process: bool) -> None:
                 assert got is not None and got.nbytes == len(data)
                 if check:
                     assert got.read() == data, "received payload differs"
-                got.release()
+                    await _publish(receiver, got, path.parent)
+                    kept.append(got)
+                else:
+                    got.release()
             elapsed = time.perf_counter() - start
             if check and receiver is None:
                 assert children[0].proc.stdout is not None
@@ -224,14 +262,36 @@ async def main(quick: bool, one_process: bool) -> None:
                 assert verdict.strip() == b"checked", verdict.decode(errors="replace")
             return len(data) / MB / elapsed
 
+        async def pulls(count: int) -> float:
+            """``count`` trainers pulling the published state at once: their MiB/s together."""
+            start = time.perf_counter()
+            got = await asyncio.gather(
+                *(sender.fetch("bench", peer_id, [address], "global", 1, 60) for _ in range(count))
+            )
+            elapsed = time.perf_counter() - start
+            for payload in got:
+                assert payload is not None and payload.nbytes == len(data)
+                payload.release()
+            return count * len(data) / MB / elapsed
+
+        async def server_cpu() -> float:
+            return float(await children[0].ask("cpu")) if children else time.process_time()
+
         try:
             await ours(check=True)
             ours_runs = [await ours() for _ in range(repeats)]
             _raw_send(pki, raw_port, data)
             raw_runs = [await asyncio.to_thread(_raw_send, pki, raw_port, data) for _ in range(repeats)]
+            cpu_before = await server_cpu()
+            pull_runs = [await pulls(1) for _ in range(repeats)]
+            pull_4_runs = [await pulls(4) for _ in range(repeats)]
+            pulled_gib = 5 * repeats * len(data) / (1 << 30)
+            serving_cpu_s_per_gib = (await server_cpu() - cpu_before) / pulled_gib
         finally:
             await connector.direct.close()
     finally:
+        for payload in kept:
+            payload.release()
         if server is not None:
             await server.stop(0)
         for child in children:
@@ -247,6 +307,10 @@ async def main(quick: bool, one_process: bool) -> None:
         payload_mib=round(len(data) / MB, 1),
         ours_mib_s=[round(x, 1) for x in ours_runs],
         raw_tls_mib_s=[round(x, 1) for x in raw_runs],
+        pull_mib_s=round(median(pull_runs), 1),
+        pull_4_mib_s=round(median(pull_4_runs), 1),
+        pull_samples={"1": [round(x, 1) for x in pull_runs], "4": [round(x, 1) for x in pull_4_runs]},
+        serving_cpu_s_per_gib=round(serving_cpu_s_per_gib, 3),
         repeats=repeats,
         mode="one-process" if one_process else "processes",
     )

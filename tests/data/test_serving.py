@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from hypha.data.servicer import DataNodeServicer, DatasetCatalog, add_data_node_servicer
-from hypha.data.slices import FileStamp
 from hypha.datasets.format import CONTENT_TYPE, Dataset
 from hypha.datasets.prepare import write_dataset
 from hypha.errors import DataLossError
+from hypha.filestamp import FileStamp
 from hypha.net.channel import secure_channel
 from hypha.net.server import NodeServer
 from hypha.net.tls import TlsMaterial

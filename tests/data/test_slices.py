@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from hypha.data.servicer import _slice_data
-from hypha.data.slices import FileStamp, SliceReader, VerifiedFiles
+from hypha.data.slices import SliceReader, VerifiedFiles
 from hypha.datasets.format import Dataset
 from hypha.datasets.prepare import write_dataset
 from hypha.errors import DataLossError, OutOfRangeError
+from hypha.filestamp import FileStamp
 from tests.helpers import eventually
 
 

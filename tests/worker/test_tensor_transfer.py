@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import torch
 
 from hypha.bridge_client import BridgeClient
+from hypha.errors import NotFoundError, UnavailableError
+from hypha.filestamp import FileStamp
 from hypha.market.resources import ExecutorKind
 from hypha.net.connector import PeerConnector
 from hypha.net.relay import Relay
@@ -21,6 +26,7 @@ from hypha.pki.identity import Role
 from hypha.tensors.chunks import split_payload
 from hypha.tensors.payload import CONTENT_TYPE, decode_state, encode_state
 from hypha.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from hypha.worker import tensor_files
 from hypha.worker.bridge import BridgeContext, JobBridge
 from hypha.worker.execution_state import ExecutionRecord, JobDispatch
 from hypha.worker.job_manager import JobManager
@@ -212,6 +218,85 @@ async def test_pull_of_global_serves_the_newest_and_times_out_politely(
     assert latest is not None and latest.round == 5
     assert latest.data == (tmp_path / "global-5.safetensors").read_bytes()
     assert missing is None
+
+
+class CountingSha256:
+    """``hashlib`` as ``tensor_files`` sees it, counting the bytes its sha256 objects take."""
+
+    def __init__(self) -> None:
+        self.hashed = 0
+
+    def sha256(self) -> Any:
+        counter, digest = self, hashlib.sha256()
+
+        class Counted:
+            def update(self, data: bytes) -> None:
+                counter.hashed += len(data)
+                digest.update(data)
+
+            def hexdigest(self) -> str:
+                return digest.hexdigest()
+
+        return Counted()
+
+
+async def test_a_published_file_is_hashed_once_for_all_its_pullers(
+    pair: tuple[Node, Node], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: B publishes a 3 MiB global state; its file reads and hashes are counted
+    a, b = pair
+    counting = CountingSha256()
+    monkeypatch.setattr(tensor_files, "hashlib", counting)
+    path = tmp_path / "global-3.safetensors"
+    payload = write_state(path, megabytes=3, seed=3)
+    await b.exchange.publish(JOB, "global", 3, path)
+
+    # Execute: three trainers pull it at once, then one more after them
+    pulls = [
+        a.exchange.fetch(JOB, b.peer_id, [b.server.address], "global", 3, timeout_s=20) for _ in range(3)
+    ]
+    received = [*await asyncio.gather(*pulls)]
+    received.append(await a.exchange.fetch(JOB, b.peer_id, [b.server.address], "global", 3, timeout_s=20))
+
+    # Assert: every pull verified the same bytes; B hashed the file once, not once per pull
+    assert all(got is not None and got.data == payload for got in received)
+    assert counting.hashed == len(payload)
+
+
+async def test_a_published_file_rewritten_in_place_is_served_as_it_is_now(
+    pair: tuple[Node, Node], tmp_path: Path
+) -> None:
+    # Prepare: B publishes an update and serves it once (its digest is taken)
+    a, b = pair
+    path = tmp_path / "update-6.safetensors"
+    write_state(path, megabytes=1, seed=6)
+    await b.exchange.publish(JOB, "update", 6, path)
+    first = await a.exchange.fetch(JOB, b.peer_id, [b.server.address], "update", 6, timeout_s=20)
+    assert first is not None
+
+    # Execute: the job rewrites the same file with other bytes of the same size (mtime moves on)
+    before = path.stat()
+    rewritten = write_state(path, megabytes=1, seed=7)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+    again = await a.exchange.fetch(JOB, b.peer_id, [b.server.address], "update", 6, timeout_s=5)
+
+    # Assert: the stale digest was not sent with the new bytes (the pull would fail DATA_LOSS
+    # until it timed out); the file was hashed as it streamed
+    assert again is not None and again.data == rewritten != first.data
+
+
+async def test_a_digest_of_a_file_that_changed_while_it_was_hashed_is_never_given(tmp_path: Path) -> None:
+    path = tmp_path / "theta.safetensors"
+    path.write_bytes(b"x" * 1000)
+    stamp = FileStamp.of(path.stat())
+    other = stamp._replace(mtime_ns=stamp.mtime_ns + 1)
+
+    with pytest.raises(UnavailableError, match="changed while it was hashed"):
+        await tensor_files.SharedDigest(path, other).hexdigest()
+    good = await tensor_files.SharedDigest.of(path)
+    assert await good.hexdigest() == hashlib.sha256(b"x" * 1000).hexdigest()
+    with pytest.raises(NotFoundError):
+        await tensor_files.SharedDigest.of(tmp_path / "gone.safetensors")
 
 
 @pytest.mark.parametrize("spooled", [False, True], ids=["in-memory", "spooled"])

@@ -38,10 +38,11 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import IO, NamedTuple, NoReturn
+from typing import IO, NoReturn
 
 from hypha.datasets.format import Dataset
 from hypha.errors import DataLossError, InvalidArgumentError, OutOfRangeError
+from hypha.filestamp import FileStamp
 
 log = logging.getLogger(__name__)
 
@@ -51,19 +52,6 @@ _PREFIX_BLOCK = 1 << 20
 #: ``preadv2(RWF_NOWAIT)`` where the platform has it (Linux 4.14+); cleared for good the first
 #: time a file system refuses the flag, after which every read goes through ``next_chunk``.
 _nowait: dict[str, bool] = {"supported": hasattr(os, "preadv") and hasattr(os, "RWF_NOWAIT")}
-
-
-class FileStamp(NamedTuple):
-    """What ``stat`` says about a file; any write through the file system changes ``ctime``."""
-
-    inode: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> FileStamp:
-        return cls(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class VerifiedFiles:

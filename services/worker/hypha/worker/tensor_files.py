@@ -6,6 +6,15 @@ stream) uses. Each block is read and hashed in one worker thread call, the next
 one while the current one is being sent. Blocks come as (chunk header, data), so
 the sender can encode the frame with one copy of the data
 (``hypha.worker.tensor_frames``) instead of protobuf's three (docs/performance.md).
+
+A published file is pulled by every trainer of the job, each pull used to hash it
+again: the parameter server's worker hashed θ_global once per trainer and round.
+``SharedDigest`` hashes it once, in a thread, from the moment it is published;
+a pull of the very file that was hashed (same inode, size, mtime and ctime:
+``hypha.filestamp``) streams without hashing and sends that digest in its last chunk. The
+puller's own sha256 check is unchanged, so whatever the bytes on the wire were,
+a mismatch is refused there (DATA_LOSS) and pulled again; a file that changed
+since it was published is hashed as it streams, as before.
 """
 
 from __future__ import annotations
@@ -15,9 +24,11 @@ import hashlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any
 
-from hypha.errors import NotFoundError
+from hypha.errors import NotFoundError, UnavailableError
+from hypha.filestamp import FileStamp
 from hypha.tensors.chunks import DEFAULT_CHUNK_SIZE
 from hypha.tensors.payload import CONTENT_TYPE
 from hypha.v1 import common_pb2
@@ -40,8 +51,49 @@ async def file_chunks(
 def _read_hashed(handle: Any, size: int, digest: Any) -> bytes:
     """One block read and hashed in a worker thread (hashlib drops the GIL for large blocks)."""
     data: bytes = handle.read(size)
-    digest.update(data)
+    if digest is not None:
+        digest.update(data)
     return data
+
+
+def _hash_file(path: Path, key: FileStamp, block: int) -> str | None:
+    """The file's sha256 if it is the file ``key`` names before and after it was read, else None."""
+    try:
+        with open(path, "rb") as handle:
+            if FileStamp.of(os.fstat(handle.fileno())) != key:
+                return None
+            digest = hashlib.sha256()
+            while data := handle.read(block):
+                digest.update(data)
+            return digest.hexdigest() if FileStamp.of(os.fstat(handle.fileno())) == key else None
+    except OSError:
+        return None
+
+
+class SharedDigest:
+    """A published file's sha256, taken once in a worker thread for every pull of it."""
+
+    def __init__(self, path: Path, key: FileStamp, block: int = DEFAULT_CHUNK_SIZE) -> None:
+        self.key = key
+        self._hashing = asyncio.ensure_future(asyncio.to_thread(_hash_file, path, key, block))
+
+    @classmethod
+    async def of(cls, path: Path, block: int = DEFAULT_CHUNK_SIZE) -> SharedDigest:
+        """Starts hashing ``path`` as it is now; NotFoundError if there is no such file."""
+        try:
+            stat = await asyncio.to_thread(os.stat, path)
+        except FileNotFoundError:
+            raise NotFoundError(f"no file {path.name}") from None
+        if not S_ISREG(stat.st_mode):
+            raise NotFoundError(f"{path.name} is not a file")
+        return cls(path, FileStamp.of(stat), block)
+
+    async def hexdigest(self) -> str:
+        """The digest; UnavailableError if the file changed while it was hashed (pull again)."""
+        digest = await asyncio.shield(self._hashing)
+        if digest is None:
+            raise UnavailableError("the published file changed while it was hashed; pull it again")
+        return digest
 
 
 async def file_blocks(
@@ -49,17 +101,23 @@ async def file_blocks(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     content_type: str = CONTENT_TYPE,
     metadata: dict[str, str] | None = None,
+    known: SharedDigest | None = None,
 ) -> AsyncIterator[tuple[common_pb2.Chunk, bytes]]:
     """(chunk header, data) for each block of a file: the header is the chunk's every field but
-    ``data`` (offset; total size, content type and metadata on the first; the sha256 on the last)."""
+    ``data`` (offset; total size, content type and metadata on the first; the sha256 on the last).
+    With ``known`` the digest of the same file (``FileStamp``) is sent instead of hashing it again."""
     try:
         handle = await asyncio.to_thread(open, path, "rb")
     except FileNotFoundError:
         raise NotFoundError(f"tensor file {path.name} is gone") from None
     reading: asyncio.Future[bytes] | None = None
     try:
-        total = os.fstat(handle.fileno()).st_size
+        stat = os.fstat(handle.fileno())
+        total = stat.st_size
+        if known is not None and known.key != FileStamp.of(stat):
+            known = None  # not the file that was hashed: hash this one as it goes
         digest = hashlib.sha256()
+        hashing = digest if known is None else None
         offset = 0
 
         def read_next() -> asyncio.Future[bytes] | None:
@@ -67,7 +125,7 @@ async def file_blocks(
             # sequential (each starts once the one before is done), so the digest is in order.
             if offset >= total:
                 return None
-            return asyncio.ensure_future(asyncio.to_thread(_read_hashed, handle, chunk_size, digest))
+            return asyncio.ensure_future(asyncio.to_thread(_read_hashed, handle, chunk_size, hashing))
 
         reading = read_next()
         while True:
@@ -83,7 +141,7 @@ async def file_blocks(
             offset += len(data)
             if offset >= total or not data:
                 chunk.last = True
-                chunk.sha256 = digest.hexdigest()
+                chunk.sha256 = await known.hexdigest() if known is not None else digest.hexdigest()
                 yield chunk, data
                 return
             reading = read_next()

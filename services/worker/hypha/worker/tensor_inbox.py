@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from hypha.errors import InvalidArgumentError
 from hypha.tensors.chunks import DEFAULT_CHUNK_SIZE
+from hypha.worker.tensor_files import SharedDigest
 
 _KIND = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
@@ -86,10 +87,11 @@ class TensorPayload:
 
 @dataclass(frozen=True)
 class Published:
-    """A file served to pullers of one (job, kind, round)."""
+    """A file served to pullers of one (job, kind, round), hashed once for all of them."""
 
     path: Path
     samples: int
+    digest: SharedDigest | None = None
 
 
 class JobTensors:

@@ -48,7 +48,7 @@ from hypha.net.wire import frame_bytes
 from hypha.tensors.chunks import ChunkAssembler, ChunkFeeder
 from hypha.tensors.payload import CONTENT_TYPE, read_metadata
 from hypha.v1 import worker_pb2
-from hypha.worker.tensor_files import file_blocks, file_chunks, read_head
+from hypha.worker.tensor_files import SharedDigest, file_blocks, file_chunks, read_head
 from hypha.worker.tensor_frames import (
     Pushed,
     TensorChunkView,
@@ -242,13 +242,16 @@ class TensorExchange:
     # ---- publishing: PullTensors --------------------------------------------------------------
 
     async def publish(self, job_id: str, kind: str, round: int, path: Path, samples: int = 0) -> None:
-        """Serve ``path`` to pullers of (job, kind, round) and wake those already waiting."""
+        """Serve ``path`` to pullers of (job, kind, round) and wake those already waiting; the
+        file is hashed once, from now on, for all of them (``SharedDigest``)."""
         job = self._job(job_id)
         check_kind(kind)
-        if not await asyncio.to_thread(path.is_file):
-            raise NotFoundError(f"no file {path.name} to publish")
+        try:
+            digest = await SharedDigest.of(path, self.settings.chunk_size)
+        except NotFoundError:
+            raise NotFoundError(f"no file {path.name} to publish") from None
         rounds = job.published.setdefault(kind, {})
-        rounds[round] = Published(path, samples)
+        rounds[round] = Published(path, samples, digest)
         for old in sorted(rounds)[: -self.settings.keep_published]:
             del rounds[old]
         async with job.changed:
@@ -293,7 +296,9 @@ class TensorExchange:
         header = worker_pb2.TensorChunk(
             job_id=request.job_id, kind=kind, round=round, samples=published.samples
         )
-        async for chunk, data in file_blocks(published.path, self.settings.chunk_size):
+        async for chunk, data in file_blocks(
+            published.path, self.settings.chunk_size, known=published.digest
+        ):
             yield encode_tensor_chunk(header, chunk, data)
             header = _REST
         self.stats["served"] += 1
