@@ -263,6 +263,30 @@ async def test_a_published_file_is_hashed_once_for_all_its_pullers(
     assert counting.hashed == len(payload)
 
 
+async def test_a_published_file_the_page_cache_lost_is_read_in_a_thread_and_arrives_whole(
+    pair: tuple[Node, Node], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: B publishes a 2 MiB state; nothing of it is in the page cache any more
+    a, b = pair
+    path = tmp_path / "global-8.safetensors"
+    payload = write_state(path, megabytes=2, seed=8)
+    await b.exchange.publish(JOB, "global", 8, path)
+    asked: list[int] = []
+
+    def uncached(fd: int, size: int, offset: int) -> None:
+        asked.append(offset)
+        return None
+
+    monkeypatch.setattr(tensor_files, "read_cached", uncached)
+
+    # Execute
+    got = await a.exchange.fetch(JOB, b.peer_id, [b.server.address], "global", 8, timeout_s=20)
+
+    # Assert: every block was first looked for in the cache, then read from the file, in order
+    assert got is not None and got.data == payload
+    assert asked == list(range(0, len(payload), 1 << 20))
+
+
 async def test_a_published_file_rewritten_in_place_is_served_as_it_is_now(
     pair: tuple[Node, Node], tmp_path: Path
 ) -> None:

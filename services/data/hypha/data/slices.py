@@ -31,7 +31,6 @@ A thread hop cost 0.2-0.3 ms on a 2-core VM, more than copying a cached
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
 import os
@@ -43,15 +42,12 @@ from typing import IO, NoReturn
 from hypha.datasets.format import Dataset
 from hypha.errors import DataLossError, InvalidArgumentError, OutOfRangeError
 from hypha.filestamp import FileStamp
+from hypha.pagecache import read_cached
 
 log = logging.getLogger(__name__)
 
 #: Bytes read per call while hashing the part of a slice a resumed stream skips.
 _PREFIX_BLOCK = 1 << 20
-
-#: ``preadv2(RWF_NOWAIT)`` where the platform has it (Linux 4.14+); cleared for good the first
-#: time a file system refuses the flag, after which every read goes through ``next_chunk``.
-_nowait: dict[str, bool] = {"supported": hasattr(os, "preadv") and hasattr(os, "RWF_NOWAIT")}
 
 
 class VerifiedFiles:
@@ -185,7 +181,7 @@ class SliceReader:
             raise RuntimeError("SliceReader.open() was not called")
         try:
             if self._digest is None:
-                return self._pread(0)
+                return self._pread()
             return self._read(self._file)
         except OSError as exc:
             self._fail(f"cannot be read ({exc})")
@@ -195,27 +191,23 @@ class SliceReader:
         (``next_chunk`` in a thread then). Never call it once ``done``."""
         if self._memory is not None:
             return self.next_chunk()
-        if self._digest is not None or self._file is None or not _nowait["supported"]:
+        if self._digest is not None or self._file is None:
             return None
+        want = min(self.chunk_size, self.size - self.position)
         try:
-            return self._pread(os.RWF_NOWAIT)
-        except BlockingIOError:
-            return None  # not all in the page cache: a thread waits for the disk
+            data = read_cached(self._file.fileno(), want, self.position)
         except OSError as exc:
-            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                _nowait["supported"] = False  # this file system (or kernel) has no RWF_NOWAIT
-                return None
             self._fail(f"cannot be read ({exc})")
+        if data is not None:  # else not all in the page cache: a thread waits for the disk
+            self.position += want
+        return data
 
-    def _pread(self, flags: int) -> bytearray:
+    def _pread(self) -> bytearray:
         """A trusted stream's next chunk, read at its offset (no file position is kept)."""
         assert self._file is not None
         want = min(self.chunk_size, self.size - self.position)
         data = bytearray(want)
-        got = os.preadv(self._file.fileno(), [data], self.position, flags)
-        if got != want:
-            if flags:
-                raise BlockingIOError(errno.EAGAIN, "partly cached")  # the rest waits for a thread
+        if os.preadv(self._file.fileno(), [data], self.position) != want:
             self._fail("ends early")
         self.position += want
         return data

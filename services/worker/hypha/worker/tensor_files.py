@@ -11,7 +11,8 @@ A published file is pulled by every trainer of the job, each pull used to hash i
 again: the parameter server's worker hashed θ_global once per trainer and round.
 ``SharedDigest`` hashes it once, in a thread, from the moment it is published;
 a pull of the very file that was hashed (same inode, size, mtime and ctime:
-``hypha.filestamp``) streams without hashing and sends that digest in its last chunk. The
+``hypha.filestamp``) streams without hashing, reading what the page cache holds on the loop
+(``hypha.pagecache``), and sends that digest in its last chunk. The
 puller's own sha256 check is unchanged, so whatever the bytes on the wire were,
 a mismatch is refused there (DATA_LOSS) and pulled again; a file that changed
 since it was published is hashed as it streams, as before.
@@ -29,6 +30,7 @@ from typing import Any
 
 from hypha.errors import NotFoundError, UnavailableError
 from hypha.filestamp import FileStamp
+from hypha.pagecache import read_cached
 from hypha.tensors.chunks import DEFAULT_CHUNK_SIZE
 from hypha.tensors.payload import CONTENT_TYPE
 from hypha.v1 import common_pb2
@@ -44,15 +46,14 @@ async def file_chunks(
     """The chunks of a file, read block by block (never mmapped: a writer truncating it must not
     crash the worker), hashed as they go; the last carries the sha256."""
     async for chunk, data in file_blocks(path, chunk_size, content_type, metadata):
-        chunk.data = data
+        chunk.data = bytes(data)  # bytes already (no copy): only a pull without hashing reads bytearrays
         yield chunk
 
 
 def _read_hashed(handle: Any, size: int, digest: Any) -> bytes:
     """One block read and hashed in a worker thread (hashlib drops the GIL for large blocks)."""
     data: bytes = handle.read(size)
-    if digest is not None:
-        digest.update(data)
+    digest.update(data)
     return data
 
 
@@ -102,7 +103,7 @@ async def file_blocks(
     content_type: str = CONTENT_TYPE,
     metadata: dict[str, str] | None = None,
     known: SharedDigest | None = None,
-) -> AsyncIterator[tuple[common_pb2.Chunk, bytes]]:
+) -> AsyncIterator[tuple[common_pb2.Chunk, bytes | bytearray]]:
     """(chunk header, data) for each block of a file: the header is the chunk's every field but
     ``data`` (offset; total size, content type and metadata on the first; the sha256 on the last).
     With ``known`` the digest of the same file (``FileStamp``) is sent instead of hashing it again."""
@@ -117,19 +118,29 @@ async def file_blocks(
         if known is not None and known.key != FileStamp.of(stat):
             known = None  # not the file that was hashed: hash this one as it goes
         digest = hashlib.sha256()
-        hashing = digest if known is None else None
         offset = 0
 
         def read_next() -> asyncio.Future[bytes] | None:
             # The next block is read and hashed while this one is on the wire; reads stay
             # sequential (each starts once the one before is done), so the digest is in order.
-            if offset >= total:
+            if offset >= total or known is not None:
                 return None
-            return asyncio.ensure_future(asyncio.to_thread(_read_hashed, handle, chunk_size, hashing))
+            return asyncio.ensure_future(asyncio.to_thread(_read_hashed, handle, chunk_size, digest))
 
         reading = read_next()
         while True:
-            data = b""
+            data: bytes | bytearray = b""
+            if known is not None and offset < total:
+                # Nothing to hash: a block the page cache holds is read on the loop, another
+                # waits for the disk in a thread (positional reads; the handle keeps no offset).
+                want = min(chunk_size, total - offset)
+                cached = read_cached(handle.fileno(), want, offset)
+                if cached is None:
+                    reading = asyncio.ensure_future(
+                        asyncio.to_thread(os.pread, handle.fileno(), want, offset)
+                    )
+                else:
+                    data = cached
             if reading is not None:
                 data, reading = await reading, None
             chunk = common_pb2.Chunk(offset=offset)

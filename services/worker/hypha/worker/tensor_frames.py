@@ -20,7 +20,9 @@ _CHUNK = field_number(worker_pb2.TensorChunk, "chunk")
 GRPC_PREFIX_BYTES = 5
 
 
-def encode_tensor_chunk(header: worker_pb2.TensorChunk, chunk: common_pb2.Chunk, data: bytes) -> bytes:
+def encode_tensor_chunk(
+    header: worker_pb2.TensorChunk, chunk: common_pb2.Chunk, data: bytes | bytearray
+) -> bytes:
     """``header`` (its chunk unset) carrying ``chunk`` (its data unset) with ``data``, serialized;
     ``data`` is copied once."""
     return bytes(Encoded.with_field(chunk, "data", data).within(header, "chunk"))
