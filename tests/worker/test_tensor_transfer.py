@@ -239,6 +239,12 @@ class CountingSha256:
 
         return Counted()
 
+    def file_digest(self, handle: Any, name: str) -> Any:
+        counted = self.sha256()
+        while block := handle.read(1 << 20):
+            counted.update(block)
+        return counted
+
 
 async def test_a_published_file_is_hashed_once_for_all_its_pullers(
     pair: tuple[Node, Node], tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -57,16 +57,14 @@ def _read_hashed(handle: Any, size: int, digest: Any) -> bytes:
     return data
 
 
-def _hash_file(path: Path, key: FileStamp, block: int) -> str | None:
+def _hash_file(path: Path, key: FileStamp) -> str | None:
     """The file's sha256 if it is the file ``key`` names before and after it was read, else None."""
     try:
         with open(path, "rb") as handle:
             if FileStamp.of(os.fstat(handle.fileno())) != key:
                 return None
-            digest = hashlib.sha256()
-            while data := handle.read(block):
-                digest.update(data)
-            return digest.hexdigest() if FileStamp.of(os.fstat(handle.fileno())) == key else None
+            digest = hashlib.file_digest(handle, "sha256").hexdigest()
+            return digest if FileStamp.of(os.fstat(handle.fileno())) == key else None
     except OSError:
         return None
 
@@ -74,20 +72,20 @@ def _hash_file(path: Path, key: FileStamp, block: int) -> str | None:
 class SharedDigest:
     """A published file's sha256, taken once in a worker thread for every pull of it."""
 
-    def __init__(self, path: Path, key: FileStamp, block: int = DEFAULT_CHUNK_SIZE) -> None:
+    def __init__(self, path: Path, key: FileStamp) -> None:
         self.key = key
-        self._hashing = asyncio.ensure_future(asyncio.to_thread(_hash_file, path, key, block))
+        self._hashing = asyncio.ensure_future(asyncio.to_thread(_hash_file, path, key))
 
     @classmethod
-    async def of(cls, path: Path, block: int = DEFAULT_CHUNK_SIZE) -> SharedDigest:
+    async def of(cls, path: Path) -> SharedDigest:
         """Starts hashing ``path`` as it is now; NotFoundError if there is no such file."""
         try:
             stat = await asyncio.to_thread(os.stat, path)
         except FileNotFoundError:
-            raise NotFoundError(f"no file {path.name}") from None
-        if not S_ISREG(stat.st_mode):
-            raise NotFoundError(f"{path.name} is not a file")
-        return cls(path, FileStamp.of(stat), block)
+            stat = None
+        if stat is None or not S_ISREG(stat.st_mode):
+            raise NotFoundError(f"no file {path.name} to publish")
+        return cls(path, FileStamp.of(stat))
 
     async def hexdigest(self) -> str:
         """The digest; UnavailableError if the file changed while it was hashed (pull again)."""

@@ -246,12 +246,8 @@ class TensorExchange:
         file is hashed once, from now on, for all of them (``SharedDigest``)."""
         job = self._job(job_id)
         check_kind(kind)
-        try:
-            digest = await SharedDigest.of(path, self.settings.chunk_size)
-        except NotFoundError:
-            raise NotFoundError(f"no file {path.name} to publish") from None
         rounds = job.published.setdefault(kind, {})
-        rounds[round] = Published(path, samples, digest)
+        rounds[round] = Published(path, samples, await SharedDigest.of(path))
         for old in sorted(rounds)[: -self.settings.keep_published]:
             del rounds[old]
         async with job.changed:
