@@ -6,6 +6,7 @@ The whole path (market, dispatch, executors, rounds, replacement) runs in
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from hypha.errors import (
     PermissionDeniedError,
     UnavailableError,
 )
-from hypha.scheduler import elastic
+from hypha.scheduler import diloco_job, elastic
 from hypha.scheduler.config import SchedulerSection
 from hypha.scheduler.control_servicer import SchedulerControlServicer
 from hypha.scheduler.diloco_job import DilocoRun
@@ -207,3 +208,56 @@ async def test_a_scale_target_must_be_a_positive_count_within_the_cap_on_a_start
     run.planner, run.ps_started = round_planners()(DILOCO.diloco), True
     elastic.check_target(run, elastic.MAX_WORKERS)
     assert run.target_workers == 2  # checking sets nothing
+
+
+# ---- a job resumed after a restart (``hypha.scheduler.diloco_resume``) -----------------------
+
+
+async def test_reports_on_a_job_being_resumed_ask_its_workers_not_yet_back_to_try_again(
+    orchestrator: Orchestrator, store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: a DiLoCo job the store hands back after a restart, whose saved run is rebuilt one
+    # lease at a time: w1's is taken back at once, w2's not yet (the rebuild waits on ``go``).
+    job = await store.create(DILOCO)
+    job = await store.transition(job.job_id, JobState.ALLOCATING, reason="resuming from round 1")
+    await store.save_run_state(job.job_id, {"version": 1})
+    go, rebuilt = asyncio.Event(), asyncio.Event()
+
+    async def rebuild(run: DilocoRun, saved: dict[str, Any]) -> None:
+        run.participants.add("w1")
+        await go.wait()
+        rebuilt.set()
+
+    async def save(run: DilocoRun) -> None:
+        pass  # nothing real was rebuilt to save
+
+    monkeypatch.setattr(diloco_job, "resume", rebuild)
+    monkeypatch.setattr(DilocoRun, "_save", save)
+    orchestrator._launch(job)  # what ``start`` does with each job the store hands back
+    run = orchestrator.runs.get(job.job_id)
+    assert isinstance(run, DilocoRun) and run.resuming
+    report = scheduler_pb2.ProgressReport(job_id=job.job_id, round=1)
+    try:
+        # Execute / Assert: before the rebuild even began, w1 is asked to try again; then w1, back,
+        # trains on (CONTINUE), and w2, not back yet, is asked to try again: refusing either would
+        # fail a trainer that never left.
+        with pytest.raises(UnavailableError, match="being resumed"):
+            await orchestrator.report_progress("w1", report)
+        await eventually(lambda: "w1" in run.participants, timeout=10)
+        directive = await orchestrator.report_progress("w1", report)
+        assert directive.kind == scheduler_pb2.DIRECTIVE_KIND_CONTINUE
+        with pytest.raises(UnavailableError, match="being resumed"):
+            await orchestrator.report_progress("w2", report)
+        with pytest.raises(UnavailableError):
+            await orchestrator.next_slice("w2", scheduler_pb2.NextSliceRequest(job_id=job.job_id))
+
+        # Once the run is rebuilt without w2, w2 is a stranger to it.
+        go.set()
+        await asyncio.wait_for(rebuilt.wait(), 10)
+        await eventually(lambda: not run.resuming, timeout=10)
+        with pytest.raises(PermissionDeniedError):
+            await orchestrator.report_progress("w2", report)
+    finally:
+        assert run.task is not None
+        run.task.cancel()
+        await asyncio.gather(run.task, return_exceptions=True)

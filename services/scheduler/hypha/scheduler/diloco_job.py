@@ -114,8 +114,9 @@ class DilocoRun(TrainerMembership, ParameterServerRecovery):
         self.ps_lock = asyncio.Lock()
         #: Serialises saves of the run's state (``_save``).
         self.save_lock = asyncio.Lock()
-        #: Being rebuilt after a scheduler restart (``diloco_resume``): progress is answered CONTINUE.
-        self.resuming = False
+        #: A job the store hands back after a restart is rebuilt (``diloco_resume``) before any
+        #: report is decided on: progress is answered CONTINUE meanwhile (``JobRun.resuming``).
+        self.resuming = job.state is not JobState.PENDING
         #: Trainers the job should have (``hypha scale``; ``hypha.scheduler.elastic``).
         self.target_workers = int(job.spec.diloco.num_workers)
         #: Trainers added so far (each one's ``joined``), and whether growth is under way.
@@ -255,7 +256,6 @@ class DilocoRun(TrainerMembership, ParameterServerRecovery):
                 raise JobFailed(
                     Reason.SCHEDULER_RESTARTED.format(state=job.state.value) + "; nothing to resume"
                 )
-            self.resuming = True
             try:
                 await resume(self, saved)
             finally:

@@ -233,9 +233,13 @@ class Orchestrator:
         report from one of its workers, which is acknowledged and ignored)."""
         run = self.runs.get(job_id)
         if run is not None:
-            if worker_id not in run.participants:
-                raise PermissionDeniedError(f"worker {worker_id} does not work on job {job_id}")
-            return run
+            if worker_id in run.participants:
+                return run
+            if run.resuming:
+                # Its workers come back as the saved run is rebuilt (a DiLoCo job's leases are
+                # taken back one by one); refusing one now would fail a trainer that never left.
+                raise UnavailableError(f"job {job_id} is being resumed (the scheduler restarted); try again")
+            raise PermissionDeniedError(f"worker {worker_id} does not work on job {job_id}")
         job = await self.store.find(job_id)
         if job is None:
             raise NotFoundError(f"no job {job_id} on this scheduler")

@@ -82,6 +82,10 @@ class JobRun(ABC):
         self.cancelled_by: str | None = None
         #: Every worker that ever ran a part of it (their late reports and logs are still accepted).
         self.participants: set[str] = set()
+        #: Being rebuilt after a scheduler restart (a kind that resumes sets it from the start):
+        #: its workers are not all known yet, so a report from one that is not a participant (yet)
+        #: is answered "try again", not refused.
+        self.resuming = False
         #: The leases it holds, by lease id.
         self.leases: dict[str, HeldLease] = {}
 
