@@ -158,8 +158,8 @@ class DilocoRun(TrainerMembership, ParameterServerRecovery):
                 self._ps_trouble(why, lost=False)
             return
         trainer = self.trainers.get(worker_id)
-        if trainer is None:
-            return
+        if trainer is None or int(report.attempt) != trainer.attempt:
+            return  # not a trainer, or the end of one this job already replaced on that worker
         if outcome is Outcome.SUCCEEDED:
             trainer.finished = True
         elif not self.over:

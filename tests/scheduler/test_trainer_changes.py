@@ -1,0 +1,133 @@
+"""Trainers changed on several paths at once stay one per worker, and a late report of a replaced
+execution changes nothing.
+
+Two trainers lost together are replaced side by side; each excludes the
+trainers it knew when it began, so both may buy a lease on the same worker
+(one with room for two). Only one may train there. And a trainer replaced on
+the same worker (its own worker came back first) must not be replaced again
+when the final report of the execution it replaced arrives late. The market
+and the worker calls are stand-ins (``tests/scheduler/test_replace_patience.py``);
+the run, its registry and the store are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hypha.market.allocator import HeldLease
+from hypha.market.resources import Requirements
+from hypha.scheduler.store import JobStore
+from hypha.testing.polling import eventually
+from hypha.v1 import common_pb2, scheduler_pb2
+from tests.scheduler.test_replace_patience import _Market, lose, running_job
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@dataclass
+class _RoomyMarket(_Market):
+    """Each of ``free`` has room for several trainers (it is leased again and again); every call
+    waits at ``gate``, so the test decides when concurrent calls come back."""
+
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    waiting: int = 0
+
+    async def allocate(
+        self,
+        requirement: Requirements,
+        count: int,
+        price: Any,
+        policy: Any,
+        *,
+        tag: str = "",
+        exclude: Collection[str] = (),
+    ) -> list[HeldLease]:
+        self.tries += 1
+        self.waiting += 1
+        try:
+            await self.gate.wait()
+        finally:
+            self.waiting -= 1
+        return [self.lease(w) for w in self.free if w not in exclude][:count]
+
+
+@pytest.fixture
+async def store() -> AsyncIterator[JobStore]:
+    job_store = await JobStore.open(":memory:")
+    yield job_store
+    await job_store.close()
+
+
+async def test_two_trainers_replaced_at_once_never_end_up_on_one_worker(
+    store: JobStore, tmp_path: Path
+) -> None:
+    # Prepare: t0 and t1 train; w9 alone is free, with room for two trainers.
+    market = _RoomyMarket(free=["w9"])
+    run, runs, calls = await running_job(store, market, tmp_path, patience_s=20.0)
+    try:
+        # Execute: both trainers are lost at once; both replacements ask the market before either
+        # is answered, and both are offered w9.
+        lose(run, runs, "t0")
+        lose(run, runs, "t1")
+        await eventually(lambda: market.waiting == 2, message="both replacements ask the market")
+        market.gate.set()
+
+        # Assert: w9 trains once; the other replacement gave its w9 lease back and waits.
+        await eventually(lambda: "w9" in run.trainers, message="one replacement on w9")
+        await eventually(lambda: len(market.released) >= 3, message="the second w9 lease given back")
+        assert sorted(run.trainers) == ["w9"]
+        assert not run.over
+        market.free.append("w8")  # another worker frees up
+        await eventually(lambda: sorted(run.trainers) == ["w8", "w9"], message="the second replacement")
+        trainer_leases = [lease for lease in run.leases.values() if lease.worker_id != "ps0"]
+        assert sorted(lease.worker_id for lease in trainer_leases) == ["w8", "w9"]  # none leaked
+        dispatched = [w for w, kind, _ in calls.dispatched if kind == common_pb2.EXECUTOR_KIND_DILOCO_TRAINER]
+        assert sorted(dispatched) == ["w8", "w9"]
+        assert run.replacements_used == 2
+    finally:
+        await runs.stop()
+
+
+async def test_a_late_final_report_of_a_replaced_trainer_leaves_its_replacement_alone(
+    store: JobStore, tmp_path: Path
+) -> None:
+    # Prepare: t1's lease lapsed and t1 itself, back first, is leased again for its replacement.
+    market = _Market()
+    run, runs, _ = await running_job(store, market, tmp_path, patience_s=20.0)
+
+    def replacing() -> bool:
+        return any(task.get_name().startswith("replace trainer") for task in runs.background)
+
+    try:
+        lose(run, runs, "t1")
+        await eventually(lambda: market.tries >= 1, message="the replacement asks the market")
+        market.free.append("t1")
+        await eventually(lambda: "t1" in run.trainers, message="t1 replaced by itself")
+        await eventually(lambda: not replacing(), message="the replacement done")
+        replacement = run.trainers["t1"]
+        assert replacement.attempt != 0  # the first execution's attempt
+
+        # Execute: the first execution's FAILED report arrives late (its worker kept retrying it).
+        def failed(attempt: int) -> scheduler_pb2.JobStatusReport:
+            return scheduler_pb2.JobStatusReport(
+                job_id=run.job_id, state=scheduler_pb2.EXECUTION_STATE_REPORT_FAILED, attempt=attempt
+            )
+
+        run.on_status("t1", failed(0))
+
+        # Assert: the replacement trains on (nothing set out to replace it); its own failure is
+        # what replaces it.
+        assert not replacing()
+        assert run.trainers["t1"] is replacement and run.replacements_used == 1
+        market.free.append("w9")
+        run.on_status("t1", failed(replacement.attempt))
+        await eventually(lambda: "w9" in run.trainers, message="the failed replacement replaced")
+        assert run.replacements_used == 2
+    finally:
+        await runs.stop()
