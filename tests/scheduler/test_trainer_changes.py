@@ -1,13 +1,15 @@
-"""Trainers changed on several paths at once stay one per worker, and a late report of a replaced
-execution changes nothing.
+"""Parts of a job changed on several paths at once stay one per worker, and a late report of a
+replaced trainer changes nothing.
 
-Two trainers lost together are replaced side by side; each excludes the
-trainers it knew when it began, so both may buy a lease on the same worker
-(one with room for two). Only one may train there. And a trainer replaced on
-the same worker (its own worker came back first) must not be replaced again
-when the final report of the execution it replaced arrives late. The market
-and the worker calls are stand-ins (``tests/scheduler/test_replace_patience.py``);
-the run, its registry and the store are the real ones.
+Two trainers lost together are replaced side by side, and a parameter server
+may be restored while a trainer is replaced; each excludes the workers it
+knew when it began, so both may buy a lease on the same worker (one with room
+for two). Only one part may run there (``RunRegistry.lease_many``). And a
+trainer replaced on the same worker (its own worker came back first) must not
+be replaced again when the final report of the execution it replaced arrives
+late. The market and the worker calls are stand-ins
+(``tests/scheduler/test_replace_patience.py``); the run, its registry and the
+store are the real ones.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import pytest
 
 from hypha.market.allocator import HeldLease
 from hypha.market.resources import Requirements
+from hypha.scheduler.diloco_job import DilocoRun
+from hypha.scheduler.runs import RunRegistry
 from hypha.scheduler.store import JobStore
 from hypha.testing.polling import eventually
-from hypha.v1 import common_pb2, scheduler_pb2
+from hypha.v1 import scheduler_pb2
 from tests.scheduler.test_replace_patience import _Market, lose, running_job
 
 pytestmark = pytest.mark.timeout(30)
@@ -37,6 +41,16 @@ class _RoomyMarket(_Market):
 
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     waiting: int = 0
+    #: The worker of every lease handed out, by lease id.
+    issued: dict[str, str] = field(default_factory=dict)
+
+    def lease(self, worker_id: str) -> HeldLease:
+        held = super().lease(worker_id)
+        self.issued[held.lease_id] = worker_id
+        return held
+
+    def released_on(self, worker_id: str) -> int:
+        return sum(self.issued.get(lease_id) == worker_id for lease_id in self.released)
 
     async def allocate(
         self,
@@ -57,6 +71,15 @@ class _RoomyMarket(_Market):
         return [self.lease(w) for w in self.free if w not in exclude][:count]
 
 
+async def lose_together(run: DilocoRun, runs: RunRegistry, market: _RoomyMarket, *workers: str) -> None:
+    """The leases on ``workers`` are lost at once; each path that replaces one asks the market
+    before any is answered."""
+    for worker in workers:
+        lose(run, runs, worker)
+    await eventually(lambda: market.waiting == len(workers), message="each replacement asks the market")
+    market.gate.set()
+
+
 @pytest.fixture
 async def store() -> AsyncIterator[JobStore]:
     job_store = await JobStore.open(":memory:")
@@ -64,31 +87,32 @@ async def store() -> AsyncIterator[JobStore]:
     await job_store.close()
 
 
-async def test_two_trainers_replaced_at_once_never_end_up_on_one_worker(
-    store: JobStore, tmp_path: Path
+@pytest.mark.parametrize(
+    ("lost", "after"),
+    [(("t0", "t1"), ["ps0", "w8", "w9"]), (("ps0", "t1"), ["t0", "w8", "w9"])],
+    ids=["two trainers", "the server and a trainer"],
+)
+async def test_parts_lost_together_never_end_up_on_one_worker(
+    store: JobStore, tmp_path: Path, lost: tuple[str, str], after: list[str]
 ) -> None:
-    # Prepare: t0 and t1 train; w9 alone is free, with room for two trainers.
+    # Prepare: w9 alone is free, with room for two parts of the job.
     market = _RoomyMarket(free=["w9"])
-    run, runs, calls = await running_job(store, market, tmp_path, patience_s=20.0)
-    try:
-        # Execute: both trainers are lost at once; both replacements ask the market before either
-        # is answered, and both are offered w9.
-        lose(run, runs, "t0")
-        lose(run, runs, "t1")
-        await eventually(lambda: market.waiting == 2, message="both replacements ask the market")
-        market.gate.set()
+    run, runs, _ = await running_job(store, market, tmp_path, patience_s=20.0)
 
-        # Assert: w9 trains once; the other replacement gave its w9 lease back and waits.
-        await eventually(lambda: "w9" in run.trainers, message="one replacement on w9")
-        await eventually(lambda: len(market.released) >= 3, message="the second w9 lease given back")
-        assert sorted(run.trainers) == ["w9"]
-        assert not run.over
+    def parts() -> list[str]:
+        return sorted([run.ps.worker_id if run.ps else "", *run.trainers])
+
+    try:
+        # Execute: both parts are lost at once; both paths that replace them are offered w9.
+        await lose_together(run, runs, market, *lost)
+
+        # Assert: one takes w9; the other gives its w9 lease back and waits for another worker.
+        await eventually(lambda: "w9" in parts(), message="one part on w9")
+        await eventually(lambda: market.released_on("w9") == 1, message="the second w9 lease given back")
+        assert parts().count("w9") == 1 and not run.over
         market.free.append("w8")  # another worker frees up
-        await eventually(lambda: sorted(run.trainers) == ["w8", "w9"], message="the second replacement")
-        trainer_leases = [lease for lease in run.leases.values() if lease.worker_id != "ps0"]
-        assert sorted(lease.worker_id for lease in trainer_leases) == ["w8", "w9"]  # none leaked
-        dispatched = [w for w, kind, _ in calls.dispatched if kind == common_pb2.EXECUTOR_KIND_DILOCO_TRAINER]
-        assert sorted(dispatched) == ["w8", "w9"]
+        await eventually(lambda: parts() == after, message="both parts back")
+        assert sorted(lease.worker_id for lease in run.leases.values()) == after  # none leaked
         assert run.replacements_used == 2
     finally:
         await runs.stop()

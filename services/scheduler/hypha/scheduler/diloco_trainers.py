@@ -99,44 +99,18 @@ class TrainerMembership(JobRun):
     async def lease_trainers(
         self, count: int, *, exclude: Collection[str], what: str = "trainers", patience_s: float | None = None
     ) -> list[HeldLease]:
-        """``count`` trainer leases by the job's requirements, price and policy (``lease_many``),
-        none on a worker that another path made a trainer of the job meanwhile.
-
-        NOTE: replacements, growth and take-backs lease concurrently (two trainers
-        lost at once are replaced side by side), each excluding the trainers it
-        knew when it began; two may buy a lease on the same worker. The first to
-        come back adds its trainer (no await between this return and
-        ``_add_trainer``); the other gives its lease back and buys another.
-        """
+        """``count`` trainer leases by the job's requirements, price and policy (``lease_many``)."""
         spec = self.diloco
-        before = set(self.trainers)
-        excluded = set(exclude)
-        got: list[HeldLease] = []
-        try:
-            while True:
-                joined = set(self.trainers) - before
-                clash = [lease for lease in got if lease.worker_id in joined]
-                if not clash and len(got) >= count:
-                    return got
-                for lease in clash:
-                    got.remove(lease)
-                    await self.runs.release_lease(self, lease, cancel=False)
-                excluded |= joined | {lease.worker_id for lease in got}
-                if len(got) < count:
-                    got += await self.runs.lease_many(
-                        self,
-                        Requirements.from_proto(spec.worker_requirements),
-                        count - len(got),
-                        price_range(spec.worker_price),
-                        spec.selection_policy,
-                        exclude=excluded,
-                        what=what,
-                        patience_s=patience_s,
-                    )
-        except Exception:  # a cancelled job's leases are released with the job
-            for lease in got:
-                await self.runs.release_lease(self, lease, cancel=False)
-            raise
+        return await self.runs.lease_many(
+            self,
+            Requirements.from_proto(spec.worker_requirements),
+            count,
+            price_range(spec.worker_price),
+            spec.selection_policy,
+            exclude=exclude,
+            what=what,
+            patience_s=patience_s,
+        )
 
     def _add_trainer(self, lease: HeldLease, *, attempt: int, start_round: int) -> Trainer:
         spec = self.diloco

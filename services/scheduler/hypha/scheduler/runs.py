@@ -122,6 +122,12 @@ class JobRun(ABC):
         return 0.0
 
 
+def _second_on_its_worker(run: JobRun, lease: HeldLease) -> bool:
+    """``run`` took another lease on ``lease``'s worker before this one (``lease_many``'s NOTE)."""
+    first = next((held for held in run.leases.values() if held.worker_id == lease.worker_id), None)
+    return first is not None and first.lease_id != lease.lease_id
+
+
 class RunRegistry:
     """The active runs, the leases they hold, and the life of each run's task."""
 
@@ -303,16 +309,26 @@ class RunRegistry:
         machine comes back) at any time, so a short miss must not fail the job,
         yet an empty market must not be hammered either. Gives up at once when
         the run's task ended (nothing would use the leases any more).
+
+        NOTE: a job runs one part per worker, yet its paths lease side by side
+        (two trainers lost at once are replaced together, a parameter server is
+        restored while a trainer is replaced), each excluding the workers it
+        knew when it began; two may be offered the same worker. The lease the
+        run took first keeps it; a later one on that worker is given back and
+        another bought (``_second_on_its_worker``).
         """
         wait_s = self.jobs_cfg.allocate_wait_s if patience_s is None else patience_s
         deadline = self.clock() + wait_s
         pause = Backoff(self.jobs_cfg.queue_retry_s, max(self.jobs_cfg.queue_retry_s, MAX_LEASE_PAUSE_S))
         held: list[HeldLease] = []
+        #: Workers not to be offered again: taken by another of the run's paths meanwhile (NOTE).
+        busy: set[str] = set()
         while len(held) < count:
-            taken = set(exclude) | {h.worker_id for h in held}
+            taken = set(exclude) | busy | {h.worker_id for h in held}
             got = await self.allocate(run, requirement, count - len(held), price, policy, taken)
             for lease in got:
-                if lease.worker_id in taken:
+                if lease.worker_id in taken or _second_on_its_worker(run, lease):
+                    busy.add(lease.worker_id)
                     await self.release_lease(run, lease, cancel=False)
                 else:
                     held.append(lease)
