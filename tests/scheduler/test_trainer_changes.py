@@ -1,5 +1,5 @@
-"""Parts of a job changed on several paths at once stay one per worker, and a late report of a
-replaced trainer changes nothing.
+"""Parts of a job changed on several paths at once stay one per worker, and a trainer replaced on
+its own worker is neither undone by a late report nor refused by the execution it replaces.
 
 Two trainers lost together are replaced side by side, and a parameter server
 may be restored while a trainer is replaced; each excludes the workers it
@@ -7,7 +7,7 @@ knew when it began, so both may buy a lease on the same worker (one with room
 for two). Only one part may run there (``RunRegistry.lease_many``). And a
 trainer replaced on the same worker (its own worker came back first) must not
 be replaced again when the final report of the execution it replaced arrives
-late. The market and the worker calls are stand-ins
+late, nor fail to start while that execution still winds down there. The market and the worker calls are stand-ins
 (``tests/scheduler/test_replace_patience.py``); the run, its registry and the
 store are the real ones.
 """
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from hypha.market.allocator import HeldLease
@@ -28,8 +29,8 @@ from hypha.scheduler.diloco_job import DilocoRun
 from hypha.scheduler.runs import RunRegistry
 from hypha.scheduler.store import JobStore
 from hypha.testing.polling import eventually
-from hypha.v1 import scheduler_pb2
-from tests.scheduler.test_replace_patience import _Market, lose, running_job
+from hypha.v1 import common_pb2, scheduler_pb2, worker_pb2
+from tests.scheduler.test_replace_patience import _Calls, _Market, lose, running_job
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -153,5 +154,58 @@ async def test_a_late_final_report_of_a_replaced_trainer_leaves_its_replacement_
         run.on_status("t1", failed(replacement.attempt))
         await eventually(lambda: "w9" in run.trainers, message="the failed replacement replaced")
         assert run.replacements_used == 2
+    finally:
+        await runs.stop()
+
+
+@dataclass
+class _WindingDownCalls(_Calls):
+    """``winding_down[w]``: dispatches that ``w`` answers ALREADY_EXISTS, since an execution of
+    the job still winds down there; the scheduler must cancel it before each try again."""
+
+    winding_down: dict[str, int] = field(default_factory=dict)
+    cancelled: list[str] = field(default_factory=list)
+    _cancelled_since: set[str] = field(default_factory=set)
+
+    async def dispatch(self, worker_id: str, request: worker_pb2.DispatchJobRequest) -> None:
+        if self.winding_down.get(worker_id, 0) > 0:
+            assert worker_id in self._cancelled_since, "dispatched again without cancelling first"
+            self.winding_down[worker_id] -= 1
+            self._cancelled_since.discard(worker_id)
+            details = f"job {request.job_id} already runs here"
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.ALREADY_EXISTS, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+            )
+        await super().dispatch(worker_id, request)
+
+    async def cancel(self, worker_id: str, job_id: str) -> None:
+        self.cancelled.append(worker_id)
+        self._cancelled_since.add(worker_id)
+
+
+async def test_a_trainer_replaced_on_a_worker_still_winding_down_its_failed_one_is_dispatched(
+    store: JobStore, tmp_path: Path
+) -> None:
+    # Prepare: t1's execution failed; t1 is offered again for its replacement, but its failed
+    # execution is still winding down there for the first two dispatches.
+    market = _Market()
+    run, runs, _ = await running_job(store, market, tmp_path, patience_s=20.0)
+    calls = _WindingDownCalls(winding_down={"t1": 2})
+    runs.calls = calls  # type: ignore[assignment]
+    market.free.append("t1")
+    try:
+        # Execute
+        run.on_status(
+            "t1",
+            scheduler_pb2.JobStatusReport(
+                job_id=run.job_id, state=scheduler_pb2.EXECUTION_STATE_REPORT_FAILED, attempt=0
+            ),
+        )
+
+        # Assert: cancelled and dispatched again until it took; the job goes on with t1's new attempt.
+        trainer = int(common_pb2.EXECUTOR_KIND_DILOCO_TRAINER)
+        await eventually(lambda: ("t1", trainer, "ps0") in calls.dispatched, message="dispatched")
+        assert calls.winding_down["t1"] == 0 and calls.cancelled.count("t1") >= 2
+        assert not run.over and run.trainers["t1"].attempt != 0
     finally:
         await runs.stop()

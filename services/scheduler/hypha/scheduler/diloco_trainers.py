@@ -29,6 +29,7 @@ import logging
 from abc import abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 
@@ -225,7 +226,10 @@ class TrainerMembership(JobRun):
             # an execution it replaced on the same worker is told apart (``on_status``).
             replacement = self._add_trainer(leases[0], attempt=self.joins, start_round=self.completed)
             await self._update_ps()
-            await self._dispatch_trainer(replacement)
+            # Its worker may still be winding down the execution it replaces (``dispatch_anew``).
+            await runs.dispatch_anew(
+                self, replacement.worker_id, partial(self._dispatch_trainer, replacement)
+            )
             await store.note(self.job_id, f"trainer {replacement.worker_id} replaces {worker_id}")
             await self._save()
         except (grpc.aio.AioRpcError, HyphaError) as err:

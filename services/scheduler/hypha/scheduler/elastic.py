@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from functools import partial
 from typing import TYPE_CHECKING
 
 import grpc
@@ -88,7 +89,8 @@ async def grow(run: DilocoRun) -> None:
             trainer = run._add_trainer(lease, attempt=run.joins, start_round=run.completed)
             try:
                 await run._update_ps()
-                await run._dispatch_trainer(trainer)
+                # One that left this worker may still be winding down there (``dispatch_anew``).
+                await runs.dispatch_anew(run, trainer.worker_id, partial(run._dispatch_trainer, trainer))
             except (grpc.aio.AioRpcError, HyphaError) as err:
                 why = f"trainer {lease.worker_id} could not join: {describe(err)}"
                 await remove_trainers(run, [lease.worker_id], why, cancel=False)

@@ -48,9 +48,6 @@ from hypha.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
-#: First pause between two dispatches that found the failed server still there.
-_REDISPATCH_PAUSE_S = 0.2
-
 
 class ParameterServerRecovery(JobRun):
     """The parameter server's commit and restore (see the module docstring)."""
@@ -198,19 +195,7 @@ class ParameterServerRecovery(JobRun):
     async def _redispatch_ps(self) -> None:
         """Dispatch the new attempt; a failed execution still winding down is cancelled first."""
         assert self.ps is not None
-        calls, cfg = self.runs.calls, self.runs.jobs_cfg
-        deadline = self.runs.clock() + cfg.dispatch_timeout_s
-        pause = _REDISPATCH_PAUSE_S
-        while True:
-            try:
-                await self._dispatch_ps()
-                return
-            except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.ALREADY_EXISTS or self.runs.clock() >= deadline:
-                    raise
-            await calls.cancel(self.ps.worker_id, self.job_id)
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 2.0)
+        await self.runs.dispatch_anew(self, self.ps.worker_id, self._dispatch_ps)
 
 
 __all__ = ["ParameterServerRecovery"]

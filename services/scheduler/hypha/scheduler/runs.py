@@ -26,9 +26,10 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterator
 from typing import Any, ClassVar
 
+import grpc
 from opentelemetry import trace
 
 from hypha.errors import FailedPreconditionError, HyphaError
@@ -53,6 +54,8 @@ _tracer = trace.get_tracer("hypha.scheduler")
 MAX_QUEUE_RETRY_S = 30.0
 #: The longest pause between two market tries of a DiLoCo job missing workers (``lease_many``).
 MAX_LEASE_PAUSE_S = 8.0
+#: First pause between two dispatches that found an execution of the job still winding down.
+REDISPATCH_PAUSE_S = 0.2
 
 
 class JobFailed(HyphaError):
@@ -348,6 +351,29 @@ class RunRegistry:
                     log.info("job %s: no free worker for %s yet; trying again", run.job_id, what)
                 await asyncio.sleep(min(pause.next_delay(), left))
         return held
+
+    async def dispatch_anew(
+        self, run: JobRun, worker_id: str, dispatch: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Send a new attempt of one of ``run``'s parts to ``worker_id`` (``dispatch`` sends it).
+
+        An execution of the job still winding down there (a failed attempt, a
+        part that was replaced or left) answers ALREADY_EXISTS: it is cancelled
+        and the dispatch sent again, with a doubling pause, until
+        ``jobs.dispatch_timeout_s`` passed.
+        """
+        deadline = self.clock() + self.jobs_cfg.dispatch_timeout_s
+        pause = REDISPATCH_PAUSE_S
+        while True:
+            try:
+                await dispatch()
+                return
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.ALREADY_EXISTS or self.clock() >= deadline:
+                    raise
+            await self.calls.cancel(worker_id, run.job_id)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2.0)
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         """Run a job's side work (replacing a trainer) in the background, cancelled at stop."""
