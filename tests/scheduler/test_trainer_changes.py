@@ -7,7 +7,8 @@ knew when it began, so both may buy a lease on the same worker (one with room
 for two). Only one part may run there (``RunRegistry.lease_many``). And a
 trainer replaced on the same worker (its own worker came back first) must not
 be replaced again when the final report of the execution it replaced arrives
-late, nor fail to start while that execution still winds down there. The market and the worker calls are stand-ins
+late, nor fail to start while that execution still winds down there. The
+market and the worker calls are stand-ins
 (``tests/scheduler/test_replace_patience.py``); the run, its registry and the
 store are the real ones.
 """
