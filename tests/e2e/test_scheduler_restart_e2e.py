@@ -13,6 +13,9 @@ slice assignments, round: ``hypha.scheduler.diloco_resume``) and resumes it:
    same workers again and they re-attach the running executions (server
    and both trainers) to the new leases; no trainer is replaced and the
    job SUCCEEDS.
+3. Stopped gracefully (SIGTERM) and started again: the stop leaves the job's
+   leases to the next start instead of releasing them; all are taken back and
+   nothing restarts, as in 1.
 """
 
 from __future__ import annotations
@@ -99,17 +102,37 @@ def _resumed(notes: list[str]) -> tuple[int, int, int]:
     return int(found[0].group(1)), int(found[0].group(2)), int(found[0].group(3))
 
 
-async def _kill_at_round(cluster: E2ECluster, name: str, rounds: int, lease_ttl_s: float) -> tuple[str, int]:
-    """Submit a job to a scheduler leasing for ``lease_ttl_s``; SIGKILL it once round 1 is done."""
+async def _resumed_to_the_end(
+    cluster: E2ECluster, job_id: str, round_before: int
+) -> tuple[list[str], int, int]:
+    """Wait for the job: SUCCEEDED after its 6 rounds, resumed at no round before the one done at
+    the stop (no completed round lost). (notes, leases taken back, leases saved)."""
+    job = await cluster.wait(job_id, timeout_s=150)
+    assert job.state == common_pb2.JOB_STATE_SUCCEEDED, f"{job.reason}\n{cluster.logs()}"
+    assert job.round == 6
+    notes = _notes(cluster, job_id)
+    resumed_at, taken, saved = _resumed(notes)
+    assert resumed_at >= round_before
+    return notes, taken, saved
+
+
+async def _run_to_round_1(cluster: E2ECluster, name: str, rounds: int, lease_ttl_s: float) -> tuple[str, int]:
+    """Submit a job to a scheduler leasing for ``lease_ttl_s``; (job id, round) once round 1 is done."""
     _restart_scheduler(cluster, lease_ttl_s)  # no job runs yet
     job_id = await cluster.submit(diloco_toml(cluster.model_dir, rounds=rounds, name=name))
     job = await cluster.wait_round(job_id, 1, timeout_s=90)
     assert job.state == common_pb2.JOB_STATE_RUNNING, job.reason
-    cluster.kill("scheduler")
     return job_id, int(job.round)
 
 
-# Both tests once saw a trainer replaced after the resume in CI (2 cores running the whole suite):
+async def _kill_at_round(cluster: E2ECluster, name: str, rounds: int, lease_ttl_s: float) -> tuple[str, int]:
+    """``_run_to_round_1``, then SIGKILL the scheduler."""
+    job_id, round_ = await _run_to_round_1(cluster, name, rounds, lease_ttl_s)
+    cluster.kill("scheduler")
+    return job_id, round_
+
+
+# The SIGKILL tests once saw a trainer replaced after the resume in CI (2 cores running the whole suite):
 # a report that reached the restarted scheduler before the job's leases were taken back was
 # refused PERMISSION_DENIED, which fails a trainer. Such a report is now answered "try again"
 # (``JobRun.resuming``; ``tests/scheduler/test_orchestrator.py``).
@@ -121,18 +144,26 @@ async def test_scheduler_killed_and_restarted_within_the_lease_life_resumes_the_
     job_id, round_before = await _kill_at_round(cluster, "restart-quick", 6, LONG_TTL_S)
     killed = time.monotonic()
     _restart_scheduler(cluster)
-    job = await cluster.wait(job_id, timeout_s=150)
+    notes, taken, saved = await _resumed_to_the_end(cluster, job_id, round_before)
 
-    assert job.state == common_pb2.JOB_STATE_SUCCEEDED, f"{job.reason}\n{cluster.logs()}"
-    assert job.round == 6
-    notes = _notes(cluster, job_id)
-    resumed_at, taken, saved = _resumed(notes)
-    assert resumed_at >= round_before  # no completed round lost
     assert (taken, saved) == (3, 3)  # the server and both trainers, never stopped
     assert not any("replaces" in note or "restored" in note for note in notes), f"{notes}\n{cluster.logs()}"
     lines = [line.line for line in await cluster.log_lines(job_id)]
     assert not any("restored round" in line for line in lines), lines[-40:]
     print(f"quick restart: {killed - started:.1f}s to the kill, {time.monotonic() - killed:.1f}s to the end")
+
+
+async def test_scheduler_stopped_gracefully_and_started_again_takes_the_job_back_as_it_runs(
+    cluster: E2ECluster,
+) -> None:
+    # A SIGTERM (an upgrade, ``docker compose restart``) leaves the job's leases to the next start;
+    # releasing them, as it once did, stopped every execution (0 of 3 taken back, all restored).
+    job_id, round_before = await _run_to_round_1(cluster, "restart-graceful", 6, LONG_TTL_S)
+    cluster.supervisor.restart_node("scheduler")  # SIGTERM, wait for it to end, start on its address
+    notes, taken, saved = await _resumed_to_the_end(cluster, job_id, round_before)
+
+    assert (taken, saved) == (3, 3), f"{notes}\n{cluster.logs()}"
+    assert not any("replaces" in note or "restored" in note for note in notes), f"{notes}\n{cluster.logs()}"
 
 
 async def test_scheduler_back_after_the_leases_expired_takes_the_running_executions_back(
@@ -149,13 +180,8 @@ async def test_scheduler_back_after_the_leases_expired_takes_the_running_executi
     # Every lease of the job expires on its worker; the executions run on.
     await until(lambda: _expired_leases(cluster) >= before + 3, "3 leases expired", SHORT_TTL_S + 20)
     _restart_scheduler(cluster)
-    job = await cluster.wait(job_id, timeout_s=150)
+    notes, taken, saved = await _resumed_to_the_end(cluster, job_id, round_before)
 
-    assert job.state == common_pb2.JOB_STATE_SUCCEEDED, f"{job.reason}\n{cluster.logs()}"
-    assert job.round == 6
-    notes = _notes(cluster, job_id)
-    resumed_at, taken, saved = _resumed(notes)
-    assert resumed_at >= round_before
     assert (taken, saved) == (0, 3)
     # Each trainer came back on its own worker, still running: none was replaced.
     assert sum("taken back under lease" in note for note in notes) == 2, f"{notes}\n{cluster.logs()}"

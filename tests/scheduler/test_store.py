@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from hypha.errors import FailedPreconditionError, IllegalTransitionError, NotFoundError
+from hypha.errors import FailedPreconditionError, IllegalTransitionError, NotFoundError, UnavailableError
 from hypha.jobfile import parse_job_toml
 from hypha.scheduler.config import JobsSection
 from hypha.scheduler.lifecycle import JobState
@@ -327,3 +327,16 @@ def test_a_schema_1_store_gains_the_log_columns_and_keeps_its_lines(tmp_path: Pa
     lines = [(r.line, r.worker_name, r.executor) for r in reopened.logs(job.job_id)]
     assert lines == [("before", "", ""), ("after", "w1", "task")]
     reopened.close()
+
+
+async def test_a_closed_store_answers_try_again_as_its_scheduler_stops(tmp_path: Path) -> None:
+    # The scheduler's server answers a moment longer than its store is open: a worker's report
+    # then must be told to try again (UNAVAILABLE), not refused (which fails a trainer).
+    store = await JobStore.open(tmp_path / "scheduler.db")
+    job = await store.create(common_pb2.JobSpec(name="t", task=common_pb2.TaskJobSpec(command="true")))
+    await store.close()
+
+    with pytest.raises(UnavailableError, match="closed"):
+        await store.find(job.job_id)
+    with pytest.raises(FailedPreconditionError):
+        await store.start()  # a closed store is not opened again

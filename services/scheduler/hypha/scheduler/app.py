@@ -7,8 +7,9 @@ jobs (the job store opens, the status bridge starts, the DHT endpoint joins,
 jobs a previous process left are settled and the active ones driven again,
 then the REST mirror opens; its URL is in the ready info as ``rest``).
 Stop order is the reverse: the REST mirror closes, orchestration stops driving jobs (their state
-stays in the store), then the market stops allocating and releases its
-leases while the link and relay can still carry the calls (the workers
+stays in the store; a running DiLoCo job's leases are left to the next start,
+``RunRegistry._leave_running``), then the market stops allocating and releases its
+other leases while the link and relay can still carry the calls (the workers
 cancel what ran under them), then the relay, the link, the server.
 
 The store lives in ``<state_dir>/scheduler.db`` and results in

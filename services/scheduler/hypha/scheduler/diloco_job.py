@@ -128,6 +128,13 @@ class DilocoRun(TrainerMembership, ParameterServerRecovery):
         return self.spec.diloco
 
     @property
+    def resumable(self) -> bool:
+        """Started (its run state is saved) and not ended: ``ended`` is cancelled, not resolved,
+        when the scheduler's stop cancels the run's task that awaits it."""
+        ended = self.ended
+        return self.ps_started and (ended is None or not ended.done() or ended.cancelled())
+
+    @property
     def over(self) -> bool:
         """The parameter server ended (or the job was given up): nothing is replaced any more."""
         return self.ended is not None and self.ended.done()

@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Collection, Coroutine
+from collections.abc import Callable, Collection, Coroutine, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -308,6 +308,12 @@ class SchedulerMarket(Service):
             log.debug("releasing offer %s failed: %s", offer.offer_id, describe(err))
 
     # ---- releasing ---------------------------------------------------------------
+
+    def leave(self, lease_ids: Iterable[str]) -> None:
+        """Stop keeping these leases without releasing them (``RunRegistry._leave_running``): no
+        renewal, and ``stop`` does not release them; they run out on their workers."""
+        for lease_id in lease_ids:
+            self._keeper.drop(lease_id)
 
     async def release(self, lease_id: str) -> bool:
         """Give a held lease back; False if it was not held (or the worker could not be told)."""

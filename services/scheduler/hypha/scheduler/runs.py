@@ -92,6 +92,12 @@ class JobRun(ABC):
         #: The leases it holds, by lease id.
         self.leases: dict[str, HeldLease] = {}
 
+    @property
+    def resumable(self) -> bool:
+        """A restarted scheduler takes the job back as it runs (``diloco_resume``), so a graceful
+        stop leaves its leases to expire on the workers rather than stopping its executions."""
+        return False
+
     @abstractmethod
     async def drive(self, job: JobRecord) -> None:
         """Take the job from PENDING to its end; raising ``JobFailed`` ends it FAILED."""
@@ -177,10 +183,12 @@ class RunRegistry:
         # pulls) are its children, so a trace shows a job end to end.
         attributes = {"hypha.job_id": run.job_id, "hypha.job_kind": run.kind}
         with _tracer.start_as_current_span("hypha.job", attributes=attributes):
+            stopping = False
             try:
                 await run.drive(job)
             except asyncio.CancelledError:
                 if run.cancelled_by is None:
+                    stopping = True
                     raise  # the scheduler is stopping: the job stays as it is in the store
                 await self.finish_job(run, JobState.CANCELLED, Reason.CANCELLED.format(who=run.cancelled_by))
             except JobFailed as err:
@@ -195,8 +203,22 @@ class RunRegistry:
                     log.exception("job %s: orchestration failed", run.job_id)
                     await self.finish_job(run, JobState.FAILED, f"orchestration failed: {err}")
             finally:
-                await self.release_all(run)
+                if stopping and run.resumable:
+                    self._leave_running(run)
+                else:
+                    await self.release_all(run)
                 self._runs.pop(run.job_id, None)
+
+    def _leave_running(self, run: JobRun) -> None:
+        """The scheduler stops and ``run`` resumes after a restart: its leases are neither
+        released nor cancelled, only no longer renewed. Taken back within their life, nothing
+        stops; expired, the workers keep the executions for ``worker.jobs.reattach_grace_s``."""
+        leases = list(run.leases.values())
+        run.leases.clear()
+        for lease in leases:
+            self._by_lease.pop(lease.lease_id, None)
+        self.market.leave(lease.lease_id for lease in leases)
+        log.info("job %s: %d leases left running for the next start to take back", run.job_id, len(leases))
 
     async def finish_job(self, run: JobRun, target: JobState, reason: str, **changes: Any) -> None:
         """Move the job to a terminal state from wherever it is (ALLOCATING first steps to RUNNING

@@ -25,7 +25,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from hypha.errors import FailedPreconditionError
+from hypha.errors import FailedPreconditionError, UnavailableError
 from hypha.scheduler import restart_recovery
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.records import (
@@ -128,7 +128,10 @@ class JobStore(Service):
 
     def _open_store(self) -> SqliteJobStore:
         if self._store is None or self._closed:
-            raise FailedPreconditionError("job store is closed")
+            # The scheduler is starting or stopping (its server answers a moment longer than
+            # the store is open): a worker's report or a client's call is to be tried again.
+            state = "not open yet" if self._store is None and not self._closed else "closed"
+            raise UnavailableError(f"job store is {state}: the scheduler is starting or stopping; try again")
         return self._store
 
     def _changed(self, job_id: str) -> None:
