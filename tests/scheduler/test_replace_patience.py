@@ -73,8 +73,12 @@ class _Market:
         self.tries += 1
         picked = [w for w in self.free if w not in exclude][:count]
         for worker in picked:
-            self.free.remove(worker)
+            self.taken(worker)
         return [self.lease(worker) for worker in picked]
+
+    def taken(self, worker_id: str) -> None:
+        """A worker leased is no longer free."""
+        self.free.remove(worker_id)
 
     def lease(self, worker_id: str) -> HeldLease:
         self._leases += 1

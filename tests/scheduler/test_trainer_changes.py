@@ -16,7 +16,7 @@ store are the real ones.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,6 @@ import grpc
 import pytest
 
 from hypha.market.allocator import HeldLease
-from hypha.market.resources import Requirements
 from hypha.scheduler.diloco_job import DilocoRun
 from hypha.scheduler.runs import RunRegistry
 from hypha.scheduler.store import JobStore
@@ -54,23 +53,16 @@ class _RoomyMarket(_Market):
     def released_on(self, worker_id: str) -> int:
         return sum(self.issued.get(lease_id) == worker_id for lease_id in self.released)
 
-    async def allocate(
-        self,
-        requirement: Requirements,
-        count: int,
-        price: Any,
-        policy: Any,
-        *,
-        tag: str = "",
-        exclude: Collection[str] = (),
-    ) -> list[HeldLease]:
-        self.tries += 1
+    async def allocate(self, *args: Any, **kwargs: Any) -> list[HeldLease]:
         self.waiting += 1
         try:
             await self.gate.wait()
         finally:
             self.waiting -= 1
-        return [self.lease(w) for w in self.free if w not in exclude][:count]
+        return await super().allocate(*args, **kwargs)
+
+    def taken(self, worker_id: str) -> None:
+        """Room for another: it stays free."""
 
 
 async def lose_together(run: DilocoRun, runs: RunRegistry, market: _RoomyMarket, *workers: str) -> None:

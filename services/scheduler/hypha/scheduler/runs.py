@@ -213,10 +213,7 @@ class RunRegistry:
         """The scheduler stops and ``run`` resumes after a restart: its leases are neither
         released nor cancelled, only no longer renewed. Taken back within their life, nothing
         stops; expired, the workers keep the executions for ``worker.jobs.reattach_grace_s``."""
-        leases = list(run.leases.values())
-        run.leases.clear()
-        for lease in leases:
-            self._by_lease.pop(lease.lease_id, None)
+        leases = self._forget_leases(run)
         self.market.leave(lease.lease_id for lease in leases)
         log.info("job %s: %d leases left running for the next start to take back", run.job_id, len(leases))
 
@@ -256,12 +253,17 @@ class RunRegistry:
             await self.calls.cancel(lease.worker_id, run.job_id)
         await self.market.release(lease.lease_id)
 
-    async def release_all(self, run: JobRun) -> None:
-        """Stop whatever still runs for the job and give its leases back."""
+    def _forget_leases(self, run: JobRun) -> list[HeldLease]:
+        """Every lease ``run`` holds, no longer its or tracked here (the caller ends them)."""
         leases = list(run.leases.values())
         run.leases.clear()
         for lease in leases:
             self._by_lease.pop(lease.lease_id, None)
+        return leases
+
+    async def release_all(self, run: JobRun) -> None:
+        """Stop whatever still runs for the job and give its leases back."""
+        leases = self._forget_leases(run)
         await asyncio.gather(*(self.calls.cancel(lease.worker_id, run.job_id) for lease in leases))
         await asyncio.gather(*(self.market.release(lease.lease_id) for lease in leases))
 
