@@ -3,9 +3,9 @@
 A job's result travels twice as a stream of files: from the parameter
 server's worker to the scheduler (``Worker.PullTensors``, kind ``result``)
 and from the scheduler to a client (``Scheduler.FetchResult``, ``hypha
-fetch``). Each file is a run of ``hypha.v1.Chunk`` messages cut by
-``hypha.tensors.chunks.split_payload``: the first names the file (a relative
-path) and carries its size, the last carries its sha256.
+fetch``), sent both times by ``hypha.filesend``. Each file is a run of
+``hypha.v1.Chunk`` messages: the first names the file (a relative path) and
+carries its size, the last carries its sha256.
 
 Each file goes to a temporary ``.NAME.part`` next to its target, is checked
 (offsets in order, size, sha256), fsynced and only then renamed into place,

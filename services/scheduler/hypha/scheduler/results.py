@@ -10,7 +10,9 @@ result as it was). ``FetchResult`` serves it from there.
 A worker decides what it sends, so the pull is bounded: ``StreamLimits``
 (``jobs.result_max_files`` / ``jobs.result_max_bytes``) cap what one result
 may bring onto the scheduler's disk, and going over fails the pull at once
-(no retry: the same worker would send the same result).
+(no retry: the same worker would send the same result). So does a result the
+worker refuses to send because the job left a link or special file in it
+(FAILED_PRECONDITION from ``hypha.filesend``): the job fails saying which.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ async def pull_result(
                 raise DataLossError("the result stream held no files")
             break
         except (grpc.aio.AioRpcError, HyphaError, OSError) as err:
-            if clock() + delay >= deadline or is_refusal(err) or isinstance(err, FileStreamLimitError):
+            if clock() + delay >= deadline or _is_final(err):
                 await asyncio.to_thread(shutil.rmtree, partial, True)
                 raise ResultPullError(f"pulling the result from {worker_id} failed: {describe(err)}") from err
             log.info("job %s: result pull from %s failed (%s); retrying", job_id, worker_id, describe(err))
@@ -89,6 +91,16 @@ async def pull_result(
             delay = min(delay * 2, MAX_RETRY_S)
     await asyncio.to_thread(replace_dir, partial, target)
     return sum(file.bytes for file in files)
+
+
+def _is_final(err: BaseException) -> bool:
+    """Errors the same worker would answer again: a refusal, a result over the limits, or one it
+    will not send (FAILED_PRECONDITION: a link or special file in it, ``hypha.filesend``)."""
+    if is_refusal(err) or isinstance(err, FileStreamLimitError):
+        return True
+    if isinstance(err, grpc.aio.AioRpcError):
+        return err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    return isinstance(err, HyphaError) and err.status == grpc.StatusCode.FAILED_PRECONDITION
 
 
 async def _named_chunks(

@@ -26,7 +26,9 @@ the TLS session. Who may do what (``NOTE``):
 
 ``WatchJob`` and ``GetLogs --follow`` stream from the store's event feed:
 they wake on commits, never poll. ``FetchResult`` streams each result file
-in chunks of at most 1 MiB, each file's last chunk carrying its sha256.
+in chunks of at most 1 MiB, each file's last chunk carrying its sha256, through
+``hypha.filesend.send_dir``: a link or special file in the result refuses it
+(FAILED_PRECONDITION, naming it), nothing of it is sent.
 """
 
 from __future__ import annotations
@@ -35,10 +37,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import mmap
-from collections.abc import AsyncIterator, Generator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Protocol
 
 import grpc
 
@@ -50,6 +51,7 @@ from hypha.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
+from hypha.filesend import send_dir
 from hypha.jobfile import normalize_spec, parse_job_toml
 from hypha.net.auth import peer_identity
 from hypha.pki.identity import PeerIdentity, Role
@@ -57,14 +59,13 @@ from hypha.scheduler.lifecycle import ACTIVE, JobState, Reason
 from hypha.scheduler.metrics import SchedulerMetrics
 from hypha.scheduler.records import JobEventRecord, JobRecord, WorkerMetric
 from hypha.scheduler.store import JobStore
-from hypha.tensors.chunks import DEFAULT_CHUNK_SIZE, split_payload
+from hypha.tensors.chunks import DEFAULT_CHUNK_SIZE
 from hypha.timestamps import to_timestamp
 from hypha.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 OPERATORS = frozenset({Role.CLIENT, Role.ADMIN})
-CONTENT_TYPES = {".safetensors": "application/safetensors", ".json": "application/json", ".txt": "text/plain"}
 
 
 class JobDriver(Protocol):
@@ -332,25 +333,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 f"job {job_id} is {job.state.value}: only a succeeded job has a result"
             )
         root = await self.orchestrator.fetch_result(job_id)
-        files = await asyncio.to_thread(_result_files, root)
-        if not files:
+        sent = False
+        label = f"the result of job {job_id}"
+        async for name, chunk in send_dir(root, label=label, chunk_size=self.chunk_size):
+            sent = True
+            if self.metrics is not None:
+                self.metrics.bytes_moved.labels(kind="result").inc(len(chunk.data))
+            yield scheduler_pb2.FileChunk(path=name, chunk=chunk)
+        if not sent:
             raise NotFoundError(f"job {job_id} has no result files")
-        for relative, path in files:
-            chunks = _file_chunks(path, relative, self.chunk_size)
-            try:
-                first = True
-                while True:
-                    chunk = await asyncio.to_thread(next, chunks, None)
-                    if chunk is None:
-                        break
-                    if self.metrics is not None:
-                        self.metrics.bytes_moved.labels(kind="result").inc(len(chunk.data))
-                    yield scheduler_pb2.FileChunk(path=relative if first else "", chunk=chunk)
-                    first = False
-            finally:
-                # Still running in a thread if the call was cancelled mid-chunk: then GC closes it.
-                with contextlib.suppress(ValueError):
-                    chunks.close()
 
     # ---- gRPC ---------------------------------------------------------------------------
 
@@ -423,40 +414,3 @@ async def _first(events: Sequence[asyncio.Event]) -> None:
     finally:
         for waiter in waiters:
             waiter.cancel()
-
-
-def _result_files(root: Path) -> list[tuple[str, Path]]:
-    """(relative name, path) of every regular file of a result, sorted; symlinks are skipped."""
-    if root.is_file():
-        return [(root.name, root)]
-    if not root.is_dir():
-        raise NotFoundError(f"result {root.name} is missing on the scheduler")
-    return sorted(
-        (path.relative_to(root).as_posix(), path)
-        for path in root.rglob("*")
-        if path.is_file() and not path.is_symlink()
-    )
-
-
-def _file_chunks(path: Path, relative: str, chunk_size: int) -> Generator[common_pb2.Chunk, None, None]:
-    """Chunks of one file, mapped rather than read whole (model files can be large)."""
-    content_type = CONTENT_TYPES.get(path.suffix, "application/octet-stream")
-    metadata = {"path": relative}
-    with open(path, "rb") as handle:
-        size = path.stat().st_size
-        if size == 0:
-            yield from split_payload(b"", chunk_size=chunk_size, content_type=content_type, metadata=metadata)
-            return
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            # split_payload is a generator function (typed as an Iterator): closing it drops its view.
-            chunks = cast(
-                Generator[common_pb2.Chunk, None, None],
-                split_payload(view, chunk_size=chunk_size, content_type=content_type, metadata=metadata),
-            )
-            try:
-                yield from chunks
-            finally:
-                # Every view of the map must be released before the map can close.
-                chunks.close()
-                view.release()

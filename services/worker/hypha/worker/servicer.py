@@ -10,6 +10,9 @@ directory, kept by the job manager) leave the worker through
 ``PullTensors`` with kind ``result``: every file of the directory in turn,
 its first chunk naming it (metadata ``path``, relative) and its last
 carrying its sha256. Only the scheduler that dispatched the job may pull it.
+The job wrote that directory: ``hypha.filesend.send_dir`` reads it without
+following a link, and a link or special file in it refuses the whole result
+(FAILED_PRECONDITION, naming it).
 NOTE: ``Worker`` has no dedicated result RPC in the contract; the tensor
 stream already has chunking, checksums and relay support, so it carries the
 files.
@@ -23,6 +26,7 @@ from pathlib import Path
 import grpc
 
 from hypha.errors import NotFoundError, PermissionDeniedError
+from hypha.filesend import send_dir
 from hypha.market.resources import ExecutorKind
 from hypha.net.auth import peer_identity
 from hypha.pki.identity import Role
@@ -30,7 +34,6 @@ from hypha.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hypha.worker.jobs_servicer import STATE_KIND, WorkerJobs
 from hypha.worker.market import WorkerMarket
 from hypha.worker.tensor_frames import Pushed
-from hypha.worker.transfer import file_chunks
 
 #: ``PullTensors`` kind that streams a finished job's result files.
 RESULT_KIND = "result"
@@ -129,15 +132,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise PermissionDeniedError(
                 f"only the scheduler that dispatched job {job_id!r} may pull its result"
             )
-        files = sorted(p for p in directory.rglob("*") if p.is_file())
-        if not files:
+        sent = False
+        async for _, chunk in send_dir(directory, label=f"the result of job {job_id!r}"):
+            sent = True
+            yield worker_pb2.TensorChunk(job_id=job_id, kind=RESULT_KIND, chunk=chunk)
+        if not sent:
             raise NotFoundError(f"the result of job {job_id!r} is empty")
-        for path in files:
-            relative = path.relative_to(directory).as_posix()
-            async for chunk in file_chunks(
-                path, content_type="application/octet-stream", metadata={"path": relative}
-            ):
-                yield worker_pb2.TensorChunk(job_id=job_id, kind=RESULT_KIND, chunk=chunk)
 
     # ---- status ---------------------------------------------------------------------------
 

@@ -1,11 +1,12 @@
 """Files as chunk streams for the tensor exchange: read and hashed off the event loop.
 
 Split from ``transfer`` so that the exchange module is about inboxes, publications
-and sending; these are the byte-moving helpers it (and the worker's result
-stream) uses. Each block is read and hashed in one worker thread call, the next
-one while the current one is being sent. Blocks come as (chunk header, data), so
-the sender can encode the frame with one copy of the data
-(``hypha.worker.tensor_frames``) instead of protobuf's three (docs/performance.md).
+and sending; these are the byte-moving helpers it uses (a job's result goes out
+through ``hypha.filesend``, which never follows a link). Each block is read and
+hashed in one worker thread call, the next one while the current one is being sent.
+Blocks come as (chunk header, data), so the sender can encode the frame with one
+copy of the data (``hypha.worker.tensor_frames``) instead of protobuf's three
+(docs/performance.md).
 
 A published file is pulled by every trainer of the job, each pull used to hash it
 again: the parameter server's worker hashed θ_global once per trainer and round.
@@ -34,20 +35,6 @@ from hypha.pagecache import read_cached
 from hypha.tensors.chunks import DEFAULT_CHUNK_SIZE
 from hypha.tensors.payload import CONTENT_TYPE
 from hypha.v1 import common_pb2
-
-
-async def file_chunks(
-    path: Path,
-    *,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    content_type: str = CONTENT_TYPE,
-    metadata: dict[str, str] | None = None,
-) -> AsyncIterator[common_pb2.Chunk]:
-    """The chunks of a file, read block by block (never mmapped: a writer truncating it must not
-    crash the worker), hashed as they go; the last carries the sha256."""
-    async for chunk, data in file_blocks(path, chunk_size, content_type, metadata):
-        chunk.data = bytes(data)  # bytes already (no copy): only a pull without hashing reads bytearrays
-        yield chunk
 
 
 def _read_hashed(handle: Any, size: int, digest: Any) -> bytes:

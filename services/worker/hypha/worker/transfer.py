@@ -48,7 +48,7 @@ from hypha.net.wire import frame_bytes
 from hypha.tensors.chunks import ChunkAssembler, ChunkFeeder
 from hypha.tensors.payload import CONTENT_TYPE, read_metadata
 from hypha.v1 import worker_pb2
-from hypha.worker.tensor_files import SharedDigest, file_blocks, file_chunks, read_head
+from hypha.worker.tensor_files import SharedDigest, file_blocks, read_head
 from hypha.worker.tensor_frames import (
     Pushed,
     TensorChunkView,
@@ -474,5 +474,4 @@ __all__ = [
     "TensorPayload",
     "TransferSettings",
     "check_kind",
-    "file_chunks",
 ]
