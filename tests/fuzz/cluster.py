@@ -2,8 +2,9 @@
 
 The nodes run on an event loop in a background thread, so hypothesis
 (synchronous, one call per example) can drive them through ordinary
-blocking gRPC channels. The nodes are not linked to each other: fuzzed
-job submissions are stored and queued but never reach a worker.
+blocking gRPC channels. The nodes are not linked to each other (but for
+``scheduler_on_market``): fuzzed job submissions are stored and queued but
+never reach a worker.
 """
 
 from __future__ import annotations
@@ -52,9 +53,12 @@ class LoopThread:
 class FuzzCluster:
     """A gateway, a scheduler (with its REST API), a worker and a data node on a private loop."""
 
-    def __init__(self, pki: Pki, base: Path) -> None:
+    def __init__(self, pki: Pki, base: Path, *, scheduler_on_market: bool = False) -> None:
         self.pki = pki
         self.base = base
+        #: Link the scheduler to the gateway: its jobs then wait for a worker (none offers) instead of
+        #: failing at once for want of a market, so they can be cancelled, scaled, watched.
+        self.scheduler_on_market = scheduler_on_market
         self._loop = LoopThread("fuzz-cluster")
         self.run = self._loop.run
         self.nodes: dict[str, Any] = {}
@@ -81,13 +85,18 @@ class FuzzCluster:
                 "net": {"listen": "127.0.0.1:0"},
             }
 
+        def on_market(settings: dict[str, Any]) -> dict[str, Any]:
+            if self.scheduler_on_market:
+                settings["net"]["gateways"] = [str(self.nodes["gateway"].address)]
+            return settings
+
         machine = {"cpu": 2.0, "memory_gb": 2.0, "storage_gb": 1.0, "gpu": 0.0, "gpu_memory_gb": 0.0}
         (self.base / "data").mkdir(parents=True, exist_ok=True)
         builders = {
             "gateway": lambda: build_gateway(gateway_settings(self.pki, "gateway"), self.pki.tls("gateway")),
             "scheduler": lambda: build_scheduler(
                 SchedulerSettings(
-                    **base("scheduler"),
+                    **on_market(base("scheduler")),
                     state_dir=self.base / "scheduler",
                     scheduler={"rest_listen": "127.0.0.1:0"},
                 ),

@@ -104,13 +104,13 @@ async def test_rest_and_grpc_agree_on_a_task_through_its_life(
         )
         await agree()
 
-        # Cancel through REST; gRPC sees it.
-        async with session.delete(f"{api}/tasks/{job_id}") as response:
+        # Cancel through REST (an action: the job stays readable); gRPC sees it.
+        async with session.post(f"{api}/tasks/{job_id}/cancel") as response:
             assert (await _json(response, 200)) == {"cancelled": [job_id]}
         await agree()
         via_grpc = await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id), timeout=5)
         assert via_grpc.state == common_pb2.JOB_STATE_CANCELLED
-        async with session.delete(f"{api}/tasks/{job_id}") as response:
+        async with session.post(f"{api}/tasks/{job_id}/cancel") as response:
             error = await _json(response, 409)
         assert error["error"]["code"] == "FAILED_PRECONDITION"
 
@@ -159,9 +159,9 @@ async def test_jobs_submit_as_toml_and_errors_name_the_key(rest: tuple[Served, R
             assert (await _json(response, 200))["jobs"] == []
         async with session.get(f"{api}/jobs", params={"state": "sleeping"}) as response:
             await _json(response, 400)
-        async with session.delete(f"{api}/jobs") as response:
-            await _json(response, 400)  # cancelling everything needs all=true
-        async with session.delete(f"{api}/jobs", params={"all": "true"}) as response:
+        async with session.post(f"{api}/jobs:cancel", json={"all": False}) as response:
+            await _json(response, 400)  # cancelling everything needs {"all": true}
+        async with session.post(f"{api}/jobs:cancel", json={"all": True}) as response:
             assert (await _json(response, 200))["cancelled"] == [job["job_id"]]
         async with session.get(f"{api}/workers") as response:
             workers = (await _json(response, 200))["workers"]

@@ -141,7 +141,7 @@ def parse_job_document(data: Mapping[str, Any]) -> common_pb2.JobSpec:
 def parse_job_table(data: Any, path: str = "job", *, kind: str | None = None) -> common_pb2.JobSpec:
     """One job table (as TOML or JSON gives it) -> JobSpec; ``kind`` forces the job kind."""
     table = Table(data, path)
-    declared = table.string("kind") or table.string("type")
+    declared = _declared_kind(table)
     if kind is not None and declared and declared != kind:
         raise bad(table.key("kind"), f"must be {kind!r} here")
     kind = kind or declared or _infer_kind(table)
@@ -189,6 +189,21 @@ def normalize_spec(spec: common_pb2.JobSpec, path: str = "spec") -> common_pb2.J
 
 def job_kind(spec: common_pb2.JobSpec) -> str:
     return spec.WhichOneof("kind") or ""
+
+
+def _declared_kind(table: Table) -> str:
+    """The kind the table names (``kind``, or the reference system's ``type``); "" when it names none.
+
+    An empty name is refused rather than read as "infer it": a REST body's
+    ``"kind": ""`` is not one of the kinds its schema lists.
+    """
+    for key in ("kind", "type"):
+        if table.has(key):
+            declared = table.string(key)
+            if not declared:
+                raise bad(table.key(key), "must not be empty (leave it out to infer the kind)")
+            return declared
+    return ""
 
 
 def _infer_kind(table: Table) -> str:

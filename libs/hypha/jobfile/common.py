@@ -94,13 +94,12 @@ def read_model(t: Table) -> common_pb2.ModelSpec:
 def read_requirements(value: Any, path: str, executor: ExecutorKind) -> common_pb2.Requirements:
     """A requirement table ({cpu = 1, ...}) or the list form ([{type, min}, {kind}])."""
     minimum: dict[str, float] = {}
-    kind_name: str | None = None
-    kind_path = path
+    kinds: list[tuple[str, str]] = []  # (name, key): every one given is checked, not only the last
     if isinstance(value, list):
         for i, item in enumerate(value):
             entry = Table(item, f"{path}[{i}]")
             if entry.has("kind"):
-                kind_name, kind_path = entry.string("kind", required=True), entry.key("kind")
+                kinds.append((entry.string("kind", required=True), entry.key("kind")))
             else:
                 rtype = entry.string("type", required=True)
                 field = RESOURCE_TYPES.get(rtype.lower())
@@ -120,14 +119,14 @@ def read_requirements(value: Any, path: str, executor: ExecutorKind) -> common_p
                 minimum[field] = table.number(field, 0.0)
         for alias in ("executor", "kind"):
             if table.has(alias):
-                kind_name, kind_path = table.string(alias, required=True), table.key(alias)
+                kinds.append((table.string(alias, required=True), table.key(alias)))
         table.done()
     else:
         raise bad(path, "must be a table or a list of requirement tables")
     for field, amount in minimum.items():
         if amount < 0:
             raise bad(path, f"{field} must not be negative")
-    if kind_name is not None:
+    for kind_name, kind_path in kinds:
         kind = EXECUTOR_ALIASES.get(kind_name)
         if kind is None:
             try:

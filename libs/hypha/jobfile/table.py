@@ -64,14 +64,21 @@ class Table:
             return default
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise bad(self.key(name), "must be a number")
-        if not math.isfinite(value):
+        try:
+            number = float(value)  # an int too large for a float overflows
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
             raise bad(self.key(name), "must be a finite number")
-        return float(value)
+        return number
 
     def integer(self, name: str, default: int) -> int:
         value = self.raw(name)
         if value is None:
             return default
+        # A whole float (1.0) is an integer, as JSON Schema counts them: a JSON body's 1.0 is 1.
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad(self.key(name), "must be an integer")
         if value < 0:

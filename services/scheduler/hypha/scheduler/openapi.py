@@ -2,14 +2,18 @@
 
 Kept apart from the server (``hypha.scheduler.rest``) because it is data:
 one document that names every route, its parameters, bodies and errors,
-checked against the routes the server really has by the REST tests.
+checked against the routes the server really has by the REST tests, and
+against what the server accepts by the schemathesis fuzz (all checks).
+Job tables' schemas live in ``hypha.scheduler.openapi_jobs``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from hypha.scheduler.elastic import MAX_WORKERS
 from hypha.scheduler.lifecycle import JobState
+from hypha.scheduler.openapi_jobs import SERVER_CHECK, job_table_schemas
 
 #: Prefix of every REST route.
 API = "/api/v1"
@@ -23,6 +27,11 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+def _one(key: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """A body of exactly one key (one form of a submission)."""
+    return {"type": "object", "required": [key], "properties": {key: schema}, "additionalProperties": False}
+
+
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1 description of the REST mirror."""
     errors = {
@@ -30,7 +39,7 @@ def openapi_document() -> dict[str, Any]:
         for code, text in (
             ("400", "malformed request (the message names the key)"),
             ("403", "the certificate's role may not call this"),
-            ("404", "no such job"),
+            ("404", "no such job (at submit: no data node announces the job's dataset)"),
             ("409", "the job is not in a state that allows this"),
         )
     }
@@ -46,17 +55,28 @@ def openapi_document() -> dict[str, Any]:
     job = _json(_ref("Job"), "the job")
     jobs = _json({"type": "object", "properties": {"jobs": {"type": "array", "items": _ref("Job")}}}, "jobs")
     cancelled = _json(
-        {"type": "object", "properties": {"cancelled": {"type": "array", "items": {"type": "string"}}}},
-        "ids of the jobs cancelled",
+        {
+            "type": "object",
+            "required": ["cancelled"],
+            "properties": {"cancelled": {"type": "array", "items": {"type": "string"}}},
+        },
+        "ids of the jobs cancelled; they stay readable, in state cancelled",
     )
     submitted = _json(_ref("Job"), "accepted: the job, PENDING")
+    toml_check = (
+        "a job file's text, checked as hypha submit checks the file; errors name its keys (job.dataset)"
+    )
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "Hypha scheduler REST API",
             "version": "1",
             "description": "REST mirror of the hypha.v1.Scheduler gRPC client API. Mutual TLS is required: "
-            "a client or admin certificate of the network.",
+            "a client or admin certificate of the network. Cancelling is an action (POST .../cancel), "
+            "not DELETE: a cancelled job stays readable, and DELETE on a job answers 405. "
+            f"`{SERVER_CHECK}` marks what the server checks beyond this document's schemas (a rule "
+            "across fields, a value the server parses): a request valid by the schemas can still get "
+            "a 400 there, and only there; the error names the key.",
         },
         "security": [{"mtls": []}],
         "paths": {
@@ -78,7 +98,10 @@ def openapi_document() -> dict[str, Any]:
             f"{API}/tasks/{{job_id}}": {
                 "parameters": [job_id],
                 "get": {"summary": "Get a task job", "responses": {"200": job, **errors}},
-                "delete": {"summary": "Cancel a task job", "responses": {"200": cancelled, **errors}},
+            },
+            f"{API}/tasks/{{job_id}}/cancel": {
+                "parameters": [job_id],
+                "post": {"summary": "Cancel a task job", "responses": {"200": cancelled, **errors}},
             },
             f"{API}/jobs": {
                 "post": {
@@ -86,7 +109,13 @@ def openapi_document() -> dict[str, Any]:
                     "requestBody": {
                         "required": True,
                         "content": {
-                            "application/toml": {"schema": {"type": "string"}},
+                            "application/toml": {
+                                "schema": {
+                                    "type": "string",
+                                    "contentMediaType": "application/toml",
+                                    SERVER_CHECK: toml_check,
+                                }
+                            },
                             "application/json": {"schema": _ref("JobSubmission")},
                         },
                     },
@@ -104,18 +133,33 @@ def openapi_document() -> dict[str, Any]:
                     ],
                     "responses": {"200": jobs, "400": errors["400"], "403": errors["403"]},
                 },
-                "delete": {
+            },
+            f"{API}/jobs:cancel": {
+                "post": {
                     "summary": "Cancel every active job of the caller (every job, for an admin)",
-                    "parameters": [
-                        {"name": "all", "in": "query", "required": True, "schema": {"const": "true"}}
-                    ],
-                    "responses": {"200": cancelled, **errors},
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["all"],
+                                    "properties": {"all": {"const": True}},
+                                    "additionalProperties": False,
+                                }
+                            }
+                        },
+                    },
+                    "responses": {"200": cancelled, "400": errors["400"], "403": errors["403"]},
                 },
             },
             f"{API}/jobs/{{job_id}}": {
                 "parameters": [job_id],
                 "get": {"summary": "Get a job", "responses": {"200": job, **errors}},
-                "delete": {"summary": "Cancel a job", "responses": {"200": cancelled, **errors}},
+            },
+            f"{API}/jobs/{{job_id}}/cancel": {
+                "parameters": [job_id],
+                "post": {"summary": "Cancel a job", "responses": {"200": cancelled, **errors}},
             },
             f"{API}/jobs/{{job_id}}/scale": {
                 "parameters": [job_id],
@@ -128,7 +172,10 @@ def openapi_document() -> dict[str, Any]:
                                 "schema": {
                                     "type": "object",
                                     "required": ["workers"],
-                                    "properties": {"workers": {"type": "integer", "minimum": 1}},
+                                    "properties": {
+                                        "workers": {"type": "integer", "minimum": 1, "maximum": MAX_WORKERS}
+                                    },
+                                    "additionalProperties": False,
                                 }
                             }
                         },
@@ -204,56 +251,29 @@ def openapi_document() -> dict[str, Any]:
                         },
                     },
                 },
-                "TaskJob": {
-                    "type": "object",
-                    "required": ["command"],
-                    "description": "A job file's [job] table for a task, as JSON.",
-                    "properties": {
-                        "name": {"type": "string"},
-                        "command": {"type": "string", "minLength": 1},
-                        "args": {"type": "array", "items": {"type": "string"}},
-                        "env": {
-                            "type": "object",
-                            "additionalProperties": {"type": ["string", "number", "boolean"]},
-                        },
-                        "gpus": {"type": "integer", "minimum": 0},
-                        "timeout_s": {"type": "number", "minimum": 0},
-                        "completion_marker": {"type": "string"},
-                        "selection_policy": {"type": "string"},
-                        "resources": {
-                            "type": "object",
-                            "properties": {
-                                f: {"type": "number", "minimum": 0}
-                                for f in ("cpu", "memory_gb", "storage_gb", "gpu", "gpu_memory_gb")
-                            },
-                        },
-                        "price": {
-                            "type": "object",
-                            "properties": {"bid": {"type": "number"}, "max": {"type": "number"}},
-                        },
-                        "retry": {
-                            "type": "object",
-                            "properties": {
-                                "max_attempts": {"type": "integer", "minimum": 1},
-                                "backoff_base_s": {"type": "number"},
-                                "backoff_cap_s": {"type": "number"},
-                                "retry_on_timeout": {"type": "boolean"},
-                                "retry_on_worker_loss": {"type": "boolean"},
-                            },
-                        },
-                    },
-                    "additionalProperties": False,
-                },
+                **job_table_schemas(),
                 "JobSubmission": {
-                    "type": "object",
                     "description": "Exactly one of toml, job, spec.",
-                    "minProperties": 1,
-                    "maxProperties": 1,
-                    "properties": {
-                        "toml": {"type": "string", "description": "a job file's text"},
-                        "job": {"type": "object", "description": "a job file's [job] table"},
-                        "spec": {"type": "object", "description": "hypha.v1.JobSpec in proto JSON"},
-                    },
+                    "oneOf": [
+                        _one(
+                            "toml",
+                            {
+                                "type": "string",
+                                "contentMediaType": "application/toml",
+                                SERVER_CHECK: toml_check,
+                            },
+                        ),
+                        _one("job", _ref("JobTable")),
+                        _one(
+                            "spec",
+                            {
+                                "type": "object",
+                                "description": "hypha.v1.JobSpec in proto JSON",
+                                SERVER_CHECK: "checked field by field as a JobSpec; errors name the field "
+                                "(spec.task.command)",
+                            },
+                        ),
+                    ],
                 },
                 "LogLine": {
                     "type": "object",

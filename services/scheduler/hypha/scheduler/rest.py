@@ -4,15 +4,18 @@ Routes (JSON unless noted), the task routes first:
 
 - ``POST /api/v1/tasks``: submit a task job; the body is the job file's
   ``[job]`` table as JSON (``{"command": "python", "args": [...], ...}``).
-- ``GET /api/v1/tasks/{id}``, ``DELETE /api/v1/tasks/{id}``, ``GET /api/v1/tasks``.
+- ``GET /api/v1/tasks/{id}``, ``POST /api/v1/tasks/{id}/cancel``, ``GET /api/v1/tasks``.
 - ``GET /api/v1/workers``.
 - ``POST /api/v1/jobs``: any job: a TOML body (``Content-Type:
   application/toml``), or JSON ``{"toml": "..."}``, ``{"job": {...}}`` (the
-  table) or ``{"spec": {...}}`` (a ``hypha.v1.JobSpec`` in proto JSON).
+  table, naming its ``kind``) or ``{"spec": {...}}`` (a ``hypha.v1.JobSpec`` in proto JSON).
 - ``GET /api/v1/jobs[?state=running&state=pending&kind=task]``,
-  ``GET /api/v1/jobs/{id}``, ``DELETE /api/v1/jobs/{id}``,
-  ``DELETE /api/v1/jobs?all=true``, ``GET /api/v1/jobs/{id}/logs``,
+  ``GET /api/v1/jobs/{id}``, ``POST /api/v1/jobs/{id}/cancel``,
+  ``POST /api/v1/jobs:cancel`` with ``{"all": true}``, ``GET /api/v1/jobs/{id}/logs``,
   ``POST /api/v1/jobs/{id}/scale`` with ``{"workers": N}`` (a running DiLoCo job).
+- Cancelling is an action (``POST .../cancel``), not ``DELETE``: a cancelled
+  job stays readable (its state, logs and result), and ``DELETE`` promises it
+  would be gone. ``DELETE`` on a job is 405 with an ``Allow`` header.
 - ``GET /api/v1/openapi.json``: the OpenAPI 3.1 description of all of this.
 - ``GET /metrics``: Prometheus text format.
 
@@ -63,6 +66,7 @@ from hypha.net.https import request_identity, serve_app, server_ssl_context
 from hypha.net.metrics_server import exposition
 from hypha.net.tls import TlsMaterial
 from hypha.pki.identity import PeerIdentity, Role
+from hypha.scheduler.elastic import MAX_WORKERS
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.metrics import SchedulerMetrics
 from hypha.scheduler.openapi import API, openapi_document
@@ -102,6 +106,33 @@ def _error(err: HyphaError) -> web.Response:
     message = err.message if status != 500 else "internal error"
     body = {"error": {"code": err.status.name, "message": message}}
     return web.json_response(body, status=status)
+
+
+def scale_target(body: Any) -> int:
+    """The trainer count of a scale body; a whole float (``3.0``) is the integer JSON Schema says it is."""
+    if not isinstance(body, dict):
+        raise InvalidArgumentError('body: must be {"workers": N}')
+    unknown = sorted(set(body) - {"workers"})
+    if unknown:
+        raise InvalidArgumentError(f"body.{unknown[0]}: unknown key (give workers)")
+    workers = body.get("workers")
+    if isinstance(workers, float) and workers.is_integer():
+        workers = int(workers)
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+        raise InvalidArgumentError(f"workers: must be an integer from 1 to {MAX_WORKERS}")
+    return workers
+
+
+def _routing_error(request: web.Request, err: web.HTTPException) -> web.HTTPException:
+    """aiohttp's 404/405 (with ``Allow``); a ``DELETE`` of a job is told where cancelling went."""
+    if isinstance(err, web.HTTPMethodNotAllowed) and request.method == "DELETE":
+        return web.HTTPMethodNotAllowed(
+            request.method,
+            err.allowed_methods,
+            text=f"405: DELETE is not served: cancel a job with POST {API}/jobs/{{job_id}}/cancel, "
+            f"every active one with POST {API}/jobs:cancel (a cancelled job stays readable)",
+        )
+    return err
 
 
 # ---- the server ------------------------------------------------------------------------------
@@ -162,15 +193,15 @@ class RestServer:
         return (
             Route("POST", f"{API}/jobs", self.submit_job, ops),
             Route("GET", f"{API}/jobs", self.list_jobs, ops),
-            Route("DELETE", f"{API}/jobs", self.cancel_all, ops),
+            Route("POST", f"{API}/jobs:cancel", self.cancel_all, ops),
             Route("GET", f"{API}/jobs/{{job_id}}", self.get_job, ops),
-            Route("DELETE", f"{API}/jobs/{{job_id}}", self.cancel_job, ops),
+            Route("POST", f"{API}/jobs/{{job_id}}/cancel", self.cancel_job, ops),
             Route("GET", f"{API}/jobs/{{job_id}}/logs", self.get_logs, ops),
             Route("POST", f"{API}/jobs/{{job_id}}/scale", self.scale_job, ops),
             Route("POST", f"{API}/tasks", self.submit_task, ops),
             Route("GET", f"{API}/tasks", self.list_tasks, ops),
             Route("GET", f"{API}/tasks/{{job_id}}", self.get_task, ops),
-            Route("DELETE", f"{API}/tasks/{{job_id}}", self.cancel_task, ops),
+            Route("POST", f"{API}/tasks/{{job_id}}/cancel", self.cancel_task, ops),
             Route("GET", f"{API}/workers", self.list_workers, ops),
             Route("GET", f"{API}/openapi.json", self.openapi, ops),
             Route("GET", "/metrics", self.prometheus, ANY_ROLE),
@@ -221,7 +252,7 @@ class RestServer:
             peer = self.identity_of(request)
             match = request.match_info
             if match.http_exception is not None:  # no route: 404 (405), before any role logic
-                raise match.http_exception
+                raise _routing_error(request, match.http_exception)
             resource = match.route.resource
             key = (match.route.method, resource.canonical if resource is not None else "")
             roles = self._roles.get(key, frozenset())  # not in the table: nobody may call it
@@ -241,18 +272,30 @@ class RestServer:
 
     async def _json_body(self, request: web.Request) -> Any:
         try:
-            return await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            body = await request.json()
+            # A lone surrogate ("\ud800") parses but is no text: a 400 here, not a 500 where it is stored.
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except ValueError as err:  # also UnicodeError, and an integer of too many digits
             raise InvalidArgumentError(f"body: not valid JSON: {err}") from None
+        return body
+
+    async def _text_body(self, request: web.Request) -> str:
+        try:
+            return await request.text()
+        except UnicodeDecodeError as err:
+            raise InvalidArgumentError(f"body: not valid {request.charset or 'UTF-8'} text: {err}") from None
 
     async def submit_job(self, request: web.Request) -> web.Response:
         if request.content_type in ("application/toml", "text/toml", "text/plain"):
-            spec = parse_job_toml(await request.text())
+            spec = parse_job_toml(await self._text_body(request))
         else:
             body = await self._json_body(request)
             if not isinstance(body, dict):
                 raise InvalidArgumentError("body: must be a JSON object")
             given = [key for key in ("toml", "job", "spec") if key in body]
+            unknown = sorted(set(body) - {"toml", "job", "spec"})
+            if unknown:
+                raise InvalidArgumentError(f"body.{unknown[0]}: unknown key (give one of toml, job or spec)")
             if len(given) > 1:
                 raise InvalidArgumentError(f"body: give one of toml, job or spec, not {' and '.join(given)}")
             if "toml" in body:
@@ -268,6 +311,12 @@ class RestServer:
                     raise InvalidArgumentError(f"spec: {err}") from None
                 spec = normalize_spec(spec)
             elif "job" in body:
+                # The kind picks the table's schema (the document's discriminator), so JSON names it;
+                # a job file may leave it out and have it inferred.
+                if isinstance(body["job"], dict) and "kind" not in body["job"]:
+                    raise InvalidArgumentError(
+                        'job.kind: missing: set "kind": "diloco", "task" or "inference"'
+                    )
                 spec = parse_job_document(body)
             else:
                 raise InvalidArgumentError("body: give toml, job or spec")
@@ -312,10 +361,7 @@ class RestServer:
         return web.json_response({"cancelled": cancelled})
 
     async def scale_job(self, request: web.Request) -> web.Response:
-        body = await self._json_body(request)
-        workers = body.get("workers") if isinstance(body, dict) else None
-        if isinstance(workers, bool) or not isinstance(workers, int):
-            raise InvalidArgumentError('body: must be {"workers": N} with an integer N')
+        workers = scale_target(await self._json_body(request))
         job = await self.api.scale(request[_IDENTITY], request.match_info["job_id"], workers)
         return web.json_response(job_json(job, request[_IDENTITY]))
 
@@ -325,8 +371,9 @@ class RestServer:
         return web.json_response({"cancelled": cancelled})
 
     async def cancel_all(self, request: web.Request) -> web.Response:
-        if request.query.get("all", "").lower() not in ("true", "1", "yes"):
-            raise InvalidArgumentError("all: set all=true to cancel every active job")
+        body = await self._json_body(request)
+        if not isinstance(body, dict) or body.get("all") is not True or len(body) != 1:
+            raise InvalidArgumentError('body: must be {"all": true} to cancel every active job')
         cancelled = await self.api.cancel(request[_IDENTITY], all_jobs=True)
         return web.json_response({"cancelled": cancelled})
 
