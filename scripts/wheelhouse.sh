@@ -35,8 +35,9 @@ if [ "$(cat "$out/.deps-key" 2>/dev/null)" != "$deps_key" ]; then
   mkdir -p "$out/core" "$out/torch"
   (cd "$scratch" && "${pip[@]}" wheel --quiet -c "$here/constraints.txt" -w "$here/$out/core" \
     . services/gateway services/scheduler services/data services/client)
+  # The worker's own dependencies (landlockpy) go with torch: only the worker image installs them.
   (cd "$scratch" && "${pip[@]}" wheel --quiet -c "$here/constraints.txt" -w "$here/$out/torch" \
-    --find-links "$here/$out/core" '.[torch]')
+    --find-links "$here/$out/core" '.[torch]' services/worker)
   rm -f "$out"/core/hypha_ml*.whl "$out"/torch/hypha_ml*.whl
   for f in "$out"/core/*.whl; do rm -f "$out/torch/$(basename "$f")"; done
   echo "$deps_key" >"$out/.deps-key"

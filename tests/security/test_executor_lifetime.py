@@ -2,9 +2,10 @@
 
 A worker killed with SIGKILL cleans nothing up; before this, its executors
 kept running (and a restarted worker handed their GPU slots out again). Now
-bubblewrap's ``--die-with-parent`` (or ``setpriv --pdeathsig`` unconfined)
-ends them, and what escaped anyway (a process that left the group with
-``setsid``) is killed by the next ``JobManager.start()`` before it accepts jobs.
+bubblewrap's ``--die-with-parent`` and the parent-death signal the launcher
+(``hypha.worker.confine``) sets in every mode end them, and what escaped
+anyway (a process that left the group with ``setsid``) is killed by the next
+``JobManager.start()`` before it accepts jobs.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import pytest
 
 from hypha.worker.job_manager import JobManager
 from hypha.worker.jobs_config import JobsSection
+from hypha.worker.sandbox import landlock_abi
 from hypha.worker.transfer import TensorExchange
 from tests.helpers import eventually
 from tests.worker.fakes import FakeSchedulerLink, job_processes
 
 pytestmark = pytest.mark.timeout(60)
+
+needs_landlock = pytest.mark.skipif(not landlock_abi(), reason="needs a kernel with Landlock")
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,7 +89,7 @@ def _start(
     return proc
 
 
-@pytest.mark.parametrize("sandbox", ["auto", "none"])
+@pytest.mark.parametrize("sandbox", ["auto", pytest.param("landlock", marks=needs_landlock), "none"])
 async def test_executors_die_when_their_worker_is_killed(
     worker: list[subprocess.Popen[bytes]], tmp_path: Path, sandbox: str
 ) -> None:

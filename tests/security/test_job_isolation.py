@@ -3,21 +3,29 @@
 The probe job does what the issue's attacker did (``find STATE -name '*key*.pem'
 -exec cat {} +``) and then walks the whole cluster state dir, printing any
 file it can read that holds a private key, a node config or the other job's
-secret. Run with the default sandbox it finds nothing; run with
-``worker.jobs.sandbox = "none"`` the same probe prints keys, which shows the
-probe would catch a leak.
+secret. It also tries to write outside its work dir (``/tmp``, the cluster's
+state dir), to signal each worker and to read each worker's
+``/proc/PID/environ``. Run with the default sandbox (bubblewrap here, else
+Landlock) or with Landlock it gets nothing; run with
+``worker.jobs.sandbox = "none"`` the same probe prints keys and signals its
+worker, which shows the probe would catch a leak.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sys
 import textwrap
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from hypha.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from hypha.worker.sandbox import landlock_abi
 from tests.e2e import DATASET, E2ECluster
 from tests.helpers import eventually
 
@@ -49,6 +57,18 @@ _PROBE = textwrap.dedent(
             if "PRIVATE KEY" in text or "SECRET-OF-THE-OTHER-JOB" in text or path.endswith(".toml"):
                 print("LEAK", path, text[:80].replace(chr(10), " "))
     print("probe done, files readable:", seen)
+    def attempt(what, action):
+        try:
+            action()
+            print(what, "ok")
+        except OSError as err:
+            print(what, "denied", err.errno)
+    attempt("OWN", lambda: open("own.txt", "w").write("mine"))
+    for path in sys.argv[2].split(","):
+        attempt(f"WRITE {path}", lambda: open(path, "w").write("escaped"))
+    for pid in sys.argv[3].split(","):
+        attempt(f"SIGNAL {pid}", lambda: os.kill(int(pid), 0))
+        attempt(f"ENVIRON {pid}", lambda: open(f"/proc/{pid}/environ", "rb").read())
     """
 )
 
@@ -65,7 +85,14 @@ def _task(script: str, *args: str, name: str) -> str:
     )
 
 
-@pytest.fixture(scope="module", params=["auto", "none"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "auto",
+        pytest.param("landlock", marks=pytest.mark.skipif(not landlock_abi(), reason="needs Landlock")),
+        "none",
+    ],
+)
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2ECluster]:
     sandbox = request.param
     c = E2ECluster(
@@ -74,7 +101,14 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         overrides={"worker": [f"worker.jobs.sandbox={json.dumps(sandbox)}"]},
     )
     c.prepare(samples=256)
-    c.start()
+    # The nodes start in the dir that holds the cluster's keys, as `hypha up` run from its state
+    # dir does: that dir must not become an import path (which Landlock would let jobs read).
+    here = os.getcwd()
+    os.chdir(c.base)
+    try:
+        c.start()
+    finally:
+        os.chdir(here)
     try:
         yield c
     finally:
@@ -92,9 +126,12 @@ async def test_a_job_reads_no_key_no_config_and_no_other_job(cluster: E2ECluster
         lambda: _has_line(cluster, victim, "ready"), timeout=60, interval=0.2, message="victim ready"
     )
     state_dir = cluster.cluster.state_dir
+    outside = [Path(f"/tmp/hypha-isolation-{uuid.uuid4().hex}"), state_dir / "nodes" / "escaped.toml"]
+    workers = [str(info["pid"]) for info in cluster.supervisor.info.values() if info["role"] == "worker"]
 
     # Execute: the probe, as an ordinary client's task job
-    probe = await cluster.submit(_task(_PROBE, str(state_dir), name="probe"))
+    targets = ",".join(map(str, outside))
+    probe = await cluster.submit(_task(_PROBE, str(state_dir), targets, ",".join(workers), name="probe"))
     job = await cluster.wait(probe, 60)
     output = await _output(cluster, probe)
     async with cluster.channel() as channel:
@@ -103,17 +140,30 @@ async def test_a_job_reads_no_key_no_config_and_no_other_job(cluster: E2ECluster
         )
 
     # Assert
+    escaped = [path for path in outside if path.exists()]
+    for path in escaped:
+        path.unlink()
     assert job.state == common_pb2.JOB_STATE_SUCCEEDED, job.reason
-    assert "probe done" in output
-    if cluster.cluster.overrides["worker"][-1].endswith('"none"'):
-        # Unconfined, the same probe prints the keys: it would see a leak.
+    assert "probe done" in output and "OWN ok" in output, output
+    mode = cluster.cluster.overrides["worker"][-1].partition("=")[2]
+    if mode == '"none"':
+        # Unconfined, the same probe prints the keys, writes anywhere and signals its worker: it
+        # would see a leak. (Reading the worker's environ it may not: the worker is non-dumpable.)
         assert "PRIVATE KEY" in output and "LEAK" in output
         assert "find printed 0 private key(s)" not in output
+        assert escaped == outside
+        assert any(f"SIGNAL {pid} ok" in output for pid in workers), output
     else:
         assert "PRIVATE KEY" not in output, output
         assert SECRET not in output, output
         assert "LEAK" not in output, output
         assert "find printed 0 private key(s)" in output
+        assert not escaped, output
+        for pid in workers:
+            assert f"ENVIRON {pid} denied" in output, output
+            # Landlock scopes signals (EPERM); bubblewrap's PID namespace hides the worker (ESRCH).
+            denied = f"SIGNAL {pid} denied {errno.EPERM}" if mode == '"landlock"' else f"SIGNAL {pid} denied"
+            assert denied in output, output
 
 
 async def _has_line(cluster: E2ECluster, job_id: str, text: str) -> bool:

@@ -57,6 +57,10 @@ class RoleCli:
     #: Extra subcommands: name -> (help, handler(argv) -> exit code).
     commands: dict[str, tuple[str, Callable[[list[str]], int]]] = field(default_factory=dict)
     default_listen: str = "127.0.0.1:0"
+    #: Called by ``run`` before anything is loaded (e.g. to harden the process).
+    prepare_run: Callable[[], None] | None = None
+    #: What this machine offers the role, as JSON: ``probe --machine`` (or ``probe`` without an address).
+    machine_probe: Callable[[], dict[str, Any]] | None = None
 
 
 def _import_build(path: str) -> Callable[[Any, TlsMaterial], Node]:
@@ -100,10 +104,22 @@ def _parser(spec: RoleCli) -> argparse.ArgumentParser:
     )
     run.add_argument("--ready-file", type=absolute_path, help="write a JSON line here once serving")
 
-    pr = sub.add_parser("probe", help="health-check a node over mTLS (exit 0 = healthy)")
-    pr.add_argument("address", help="HOST:PORT")
-    pr.add_argument("--certs", required=True, type=absolute_path)
-    pr.add_argument("--name", required=True, help="use NAME-cert/key/trust.pem from --certs")
+    machine = spec.machine_probe is not None
+    machine_help = "; without ADDRESS (or with --machine), print what this machine offers as JSON"
+    pr = sub.add_parser(
+        "probe", help="health-check a node over mTLS (exit 0 = healthy)" + (machine_help if machine else "")
+    )
+    pr.add_argument("address", nargs="?" if machine else None, help="HOST:PORT")
+    pr.add_argument("--certs", required=not machine, type=absolute_path, help="(with ADDRESS)")
+    pr.add_argument("--name", required=not machine, help="use NAME-cert/key/trust.pem from --certs")
+    if machine:
+        pr.add_argument(
+            "--machine",
+            action="store_true",
+            help="print what this machine offers as a JSON object and exit 0: the executor sandbox "
+            "'auto' would pick (sandbox, or sandbox_error), landlock_abi (null: no landlockpy), "
+            "bwrap ('works' or why not), and the detected cpu, memory_gb, gpus, gpu_memory_gb",
+        )
     pr.add_argument("--timeout", type=float, default=5.0)
     pr.add_argument("--service", default="", help="health service name (default: overall)")
     pr.add_argument(
@@ -176,6 +192,8 @@ def _run(spec: RoleCli, args: argparse.Namespace) -> int:
         overrides.setdefault("net", {})["listen"] = args.listen
     if args.log_level:
         overrides.setdefault("log", {})["level"] = args.log_level
+    if spec.prepare_run is not None:
+        spec.prepare_run()
     settings = load_settings(spec.settings_cls, args.config, overrides)
     setup_logging(settings.log.level, settings.log.format, node=settings.name)
     tune_malloc()  # every node moves large payloads (hypha.memtune)
@@ -217,6 +235,11 @@ async def _serve(build: Callable[[], Node], ready_file: Path | None) -> int:
 
 
 def _probe(spec: RoleCli, args: argparse.Namespace) -> int:
+    if spec.machine_probe is not None and (args.machine or args.address is None):
+        print(json.dumps(spec.machine_probe(), indent=2, sort_keys=True))
+        return 0
+    if args.certs is None or args.name is None:
+        return _fail(spec.prog, "probe ADDRESS needs --certs and --name")
     tls = TlsMaterial.load(PathsTls.from_certs_dir(args.certs, args.name))
     healthy, reason = asyncio.run(
         probe(tls, args.address, timeout_s=args.timeout, service=args.service, server_name=args.server_name)

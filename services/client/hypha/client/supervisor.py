@@ -75,6 +75,8 @@ class Supervisor:
         ready.unlink(missing_ok=True)
         argv = [
             sys.executable,
+            # -P: the current dir (where keys may lie) is no import path, so no Landlock sandbox grants it.
+            "-P",
             "-m",
             ROLE_MODULES[role],
             "run",

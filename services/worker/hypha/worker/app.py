@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hypha.market.leases import Lease, LeaseState
+from hypha.market.resources import Resources
 from hypha.net.connector import PeerConnector
 from hypha.net.link import NodeLink
 from hypha.net.mesh import MeshParts
@@ -100,6 +101,10 @@ def build(settings: WorkerSettings, tls: TlsMaterial) -> WorkerNode:
     def link_factory(dispatch: JobDispatch) -> SchedulerLink:
         return GrpcSchedulerLink(connector, dispatch.scheduler_id, dispatch.scheduler_addresses)
 
+    def lease_grants(lease_id: str) -> Resources | None:
+        lease = market.ledger.find(lease_id)
+        return None if lease is None else lease.resources
+
     manager = JobManager(
         cfg.jobs,
         work_root,
@@ -110,6 +115,7 @@ def build(settings: WorkerSettings, tls: TlsMaterial) -> WorkerNode:
         gpu_count=int(capacity.gpu),
         slices=slices,
         hidden=_own_files(settings),
+        lease_grants=lease_grants,
     )
 
     def lease_ok(lease_id: str, scheduler_id: str) -> bool:

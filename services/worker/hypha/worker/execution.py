@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hypha import factories
-from hypha.market.resources import ExecutorKind
+from hypha.market.resources import ExecutorKind, Resources
 from hypha.service import BackgroundTasks
 from hypha.v1 import scheduler_pb2
 from hypha.worker.bridge import JobBridge
@@ -60,6 +60,8 @@ class Execution:
     helpers: BackgroundTasks = field(default_factory=BackgroundTasks)
     #: The lease that expired under it while it waits for its scheduler to take it back ("": none).
     orphaned: str = ""
+    #: What its lease grants: the memory and disk it is held to (``lease_limits``).
+    leased: Resources = field(default_factory=Resources)
 
     def helper(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         """Run ``coro`` as one of the execution's helper tasks, named for the job and ``name``."""

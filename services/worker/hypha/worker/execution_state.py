@@ -19,7 +19,8 @@ resources are not free until the group is gone. The cause of a stop is
 recorded when it starts, so the final state does not depend on how the
 process happened to die (a trainer that exits 0 on SIGTERM was still
 cancelled). A completion marker that appears while the task still runs
-stops it as ``succeeded``.
+stops it as ``succeeded``; a job over the memory or disk its lease grants is
+stopped as ``failed``, with what it used as the message.
 
 No I/O, no asyncio: the job manager drives it, tests drive it directly.
 """
@@ -61,6 +62,7 @@ class StopCause(StrEnum):
     CANCEL = "cancel"  # CancelJob, lease expiry or worker shutdown
     TIMEOUT = "timeout"
     MARKER = "marker"  # the task's completion marker appeared while it still ran
+    OVER_LEASE = "over_lease"  # it used more memory or disk than its lease grants (``lease_limits``)
 
 
 _TERMINAL = frozenset(
@@ -108,6 +110,7 @@ _STOP_END: dict[StopCause, ExecutionState] = {
     StopCause.CANCEL: ExecutionState.CANCELLED,
     StopCause.TIMEOUT: ExecutionState.TIMED_OUT,
     StopCause.MARKER: ExecutionState.SUCCEEDED,
+    StopCause.OVER_LEASE: ExecutionState.FAILED,
 }
 
 

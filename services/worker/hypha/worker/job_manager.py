@@ -8,7 +8,8 @@ For each ``DispatchJob`` the manager
 2. prepares the job's private work dir (``work_dirs``), opens the job's
    tensor inboxes and starts its bridge;
 3. has its ``supervisor`` start the executor's process group in the sandbox
-   and watch it (timeout, completion marker), and stop it on cancellation or
+   and watch it (timeout, completion marker, the memory and disk its lease
+   grants: ``lease_limits``), and stop it on cancellation or
    lease expiry (a DiLoCo execution waits ``reattach_grace_s`` for its
    restarted scheduler first);
 4. when the supervisor has settled the final state, reports it to the
@@ -36,7 +37,7 @@ from hypha.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from hypha.market.resources import ExecutorKind
+from hypha.market.resources import ExecutorKind, Resources
 from hypha.service import Service
 from hypha.worker import executors
 from hypha.worker.bridge import BridgeContext, JobBridge
@@ -56,6 +57,8 @@ log = logging.getLogger(__name__)
 
 #: Builds the scheduler link of one execution (the dispatching scheduler, by id and addresses).
 LinkFactory = Callable[[JobDispatch], SchedulerLink]
+#: What a lease (by id) grants, or None when this worker does not know it.
+LeaseGrants = Callable[[str], Resources | None]
 
 
 class JobManager(Service):
@@ -77,8 +80,14 @@ class JobManager(Service):
         clock: Callable[[], float] = time.time,
         max_finished: int = 1000,
         hidden: Sequence[Path] = (),
+        lease_grants: LeaseGrants | None = None,
     ) -> None:
-        """``hidden``: the worker's own files (key, config, state dir) no sandbox may show."""
+        """``hidden``: the worker's own files (key, config, state dir) no sandbox may show.
+
+        ``lease_grants``: what each lease grants, which bounds the threads,
+        memory and disk of the jobs under it; without it (or for a lease it
+        does not know), the job's own minimum requirements do.
+        """
         self.settings = settings
         self.work_root = Path(work_root)
         self.dirs = WorkDirs(self.work_root)
@@ -92,6 +101,7 @@ class JobManager(Service):
         self.slices = slices
         self.resources = resources or ResourceFetcher(settings.hub_settings(self.work_root))
         self.log_sink = log_sink
+        self.lease_grants = lease_grants
         self._clock = clock
         self._max_finished = max_finished
         self._active: dict[tuple[str, ExecutorKind], Execution] = {}
@@ -142,6 +152,7 @@ class JobManager(Service):
         running = self._active.get(dispatch.key)
         if running is not None:
             if is_reattach(running, dispatch):
+                running.leased = self._leased(dispatch)
                 running.reattach(dispatch)
                 return running.record
             if is_rewiring(running.dispatch, dispatch):
@@ -163,6 +174,7 @@ class JobManager(Service):
         wanted_gpus = math.ceil(requirements.gpu)
         if dispatch.executor is ExecutorKind.TASK:
             wanted_gpus = max(wanted_gpus, dispatch.spec.task.gpus)
+        leased = self._leased(dispatch)
         gpus = self.gpus.acquire(wanted_gpus, dispatch.key)
         now = self._clock()
         record = ExecutionRecord(
@@ -175,7 +187,7 @@ class JobManager(Service):
             work_dir=work_dir,
             plan=plan,
             gpus=gpus,
-            threads=self._threads(requirements.cpu),
+            threads=self._threads(leased.cpu),
             link=link,
             logs=LogForwarder(
                 link,
@@ -188,6 +200,7 @@ class JobManager(Service):
                 sink=self.log_sink,
                 clock=self._clock,
             ),
+            leased=leased,
         )
         self._active[dispatch.key] = execution
         execution.logs.start()
@@ -310,6 +323,17 @@ class JobManager(Service):
         return self.get(job_id)
 
     # ---- preparing and starting -------------------------------------------------------------
+
+    def _leased(self, dispatch: JobDispatch) -> Resources:
+        """What the dispatch's lease grants; the job's own minimum where the lease is unknown here.
+
+        NOTE: a lease can grant more than the job's minimum (``whole`` offers
+        sell the whole free machine), and the job may use all it paid for.
+        """
+        granted = self.lease_grants(dispatch.lease_id) if self.lease_grants is not None else None
+        if granted is not None:
+            return granted
+        return Resources.from_proto(dispatch.requirements().minimum)
 
     def _threads(self, cpu: float) -> int:
         if self.settings.threads_per_job is not None:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from hypha.worker.tensor_inbox import TransferSettings
 
 #: ``sandbox`` values; kept here (not imported from ``sandbox``) so config loading stays light.
-SandboxMode = Literal["auto", "bwrap", "none"]
+SandboxMode = Literal["auto", "bwrap", "landlock", "none"]
 
 _DEFAULT_PASSTHROUGH = [
     "PATH",
@@ -55,6 +55,27 @@ class JobsSection(BaseModel):
     stop_grace_s: float = Field(
         10.0, ge=0, description="Seconds between SIGTERM and SIGKILL when a job is stopped."
     )
+    memory_poll_s: float = Field(
+        0.25,
+        gt=0,
+        description="How often each job's memory is measured: the resident memory (RSS) of every "
+        "process of its process group, summed (a page shared by several counts for each). A job "
+        "over the memory_gb its lease grants is killed at once (SIGKILL, no grace) and fails; a "
+        "spike shorter than this can pass unseen.",
+    )
+    default_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="Memory bound, in GB, of a job whose lease names no memory_gb, held like a "
+        "leased one (memory_poll_s); none: such a job's memory is unbounded.",
+    )
+    disk_poll_s: float = Field(
+        5.0,
+        gt=0,
+        description="How often each job's work dir is measured (the disk its files take, links not "
+        "followed); a job over the storage_gb its lease grants is killed at once and fails. What it "
+        "writes between two measurements can go past the bound.",
+    )
     reattach_grace_s: float = Field(
         60.0,
         ge=0,
@@ -84,9 +105,12 @@ class JobsSection(BaseModel):
     sandbox: SandboxMode = Field(
         "auto",
         description="How executors are confined (docs/security.md): 'bwrap' runs each in a bubblewrap "
-        "sandbox that sees only its work dir and the Python environment; 'none' runs them as this "
-        "worker's user, able to read its key; 'auto' is bwrap, and refuses to start where bwrap "
-        "cannot run.",
+        "sandbox that sees only its work dir and the Python environment; 'landlock' (Linux 5.13+, "
+        "works in containers where bwrap cannot) lets each read only the system dirs, the Python "
+        "environment and sandbox_paths and write only its work dir, and refuses to start when this "
+        "worker's key, config or state lie beneath those; 'none' runs them as this worker's user, "
+        "able to read its key; 'auto' is bwrap, else landlock, and refuses to start where neither "
+        "works.",
     )
     sandbox_paths: list[Path] = Field(
         default_factory=list,

@@ -10,10 +10,11 @@ reach of the group signals (a cgroup per job would close that hole); in the
 bubblewrap sandbox it still dies with the sandbox's PID namespace.
 
 Executors die with their worker (``sandbox``: bubblewrap's
-``--die-with-parent``, ``setpriv --pdeathsig`` without it). What escaped
-anyway, a process of a worker that was SIGKILLed before that existed or a
-grandchild outside the sandbox, is found at the next start by the work dir
-its environment names (``orphans``) and killed before resources are offered.
+``--die-with-parent``, and in every mode the parent-death signal the launcher
+``confine`` sets). What escaped anyway, a process of a worker that was
+SIGKILLed before that existed or a grandchild outside the sandbox, is found at
+the next start by the work dir its environment names (``orphans``) and killed
+before resources are offered.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 _READ_BLOCK = 1 << 16
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+#: ``rss`` (field 24 of /proc/PID/stat, in pages), counted from the field after the command name.
+_RSS_FIELD = 21
 
 
 async def spawn_group_leader(
@@ -130,7 +134,19 @@ def signal_group(pgid: int, sig: signal.Signals, *, spare_leader: bool = False) 
 
 def group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes of a process group."""
-    return [pid for pid, state, group in _proc_entries() if group == pgid and state not in ("Z", "X")]
+    return [pid for pid, state, group, _ in _proc_entries() if group == pgid and state not in ("Z", "X")]
+
+
+def group_rss(pgid: int) -> int:
+    """Bytes resident of a process group: each live member's RSS, summed.
+
+    NOTE: from the same one read of ``/proc/PID/stat`` per process that finds
+    the group's members, so watching a job's memory costs one /proc scan. A
+    page shared between members (fork's copy-on-write, shared memory) counts
+    once per process that maps it: the sum can only overstate.
+    """
+    pages = sum(rss for _, state, group, rss in _proc_entries() if group == pgid and state not in ("Z", "X"))
+    return pages * _PAGE_BYTES
 
 
 def orphans(jobs_dir: Path) -> list[int]:
@@ -166,8 +182,8 @@ def kill_orphans(jobs_dir: Path) -> list[int]:
     return found
 
 
-def _proc_entries() -> Iterator[tuple[int, str, int]]:
-    """(pid, state, process group) of every process, from /proc."""
+def _proc_entries() -> Iterator[tuple[int, str, int, int]]:
+    """(pid, state, process group, resident pages) of every process, from /proc."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -178,13 +194,14 @@ def _proc_entries() -> Iterator[tuple[int, str, int]]:
             continue
         # The command name may hold spaces and parentheses: fields start after the last ')'.
         fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) >= 3:
-            yield int(entry.name), fields[0], int(fields[2])
+        if len(fields) > _RSS_FIELD:
+            yield int(entry.name), fields[0], int(fields[2]), int(fields[_RSS_FIELD])
 
 
 __all__ = [
     "end_group",
     "group_members",
+    "group_rss",
     "kill_orphans",
     "orphans",
     "pump_lines",

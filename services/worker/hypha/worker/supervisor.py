@@ -7,9 +7,10 @@ bookkeeping. Each executor starts as the leader of a new process group
 after the executors a previous run left behind were killed), with the bridge
 socket, a thread count that shares the machine's cores, and the assigned GPU
 slots in ``CUDA_VISIBLE_DEVICES``; stdout and stderr are read line by line
-into the job's log forwarder. It is watched for its timeout and its
-completion marker, and stopped with SIGTERM to the group and SIGKILL after
-``stop_grace_s``. When the leader exits, whatever is left of its group is
+into the job's log forwarder. It is watched for its timeout, its completion
+marker and the memory and disk its lease grants (``lease_limits``: over them
+it is killed at once), and stopped with SIGTERM to the group and SIGKILL
+after ``stop_grace_s``. When the leader exits, whatever is left of its group is
 ended, and the exit code, the marker and a task's declared outputs settle
 the final state (``execution_state``).
 """
@@ -27,7 +28,9 @@ from hypha.market.resources import ExecutorKind
 from hypha.worker.execution import PUMP_NAMES, RUNNING_REPORT, Execution
 from hypha.worker.execution_state import ExecutionState, StopCause
 from hypha.worker.jobs_config import JobsSection
+from hypha.worker.lease_limits import lease_bounds, watch_lease
 from hypha.worker.process_group import end_group, kill_orphans, pump_lines, signal_group, spawn_group_leader
+from hypha.worker.resources import GIB
 from hypha.worker.sandbox import Sandbox, resolve
 from hypha.worker.task_files import keep_outputs
 
@@ -60,9 +63,17 @@ class Supervisor:
         sandbox = self.sandbox
         assert sandbox is not None, "start() resolves the sandbox"
         env = sandbox.environment(execution.environment(self.settings), execution.work_dir)
-        process, out_read, err_read = await spawn_group_leader(
-            sandbox.wrap(execution.plan.argv, execution.work_dir, env.get("PATH")), execution.work_dir, env
+        storage_gb = execution.leased.storage_gb
+        argv = sandbox.wrap(
+            execution.plan.argv,
+            execution.work_dir,
+            env.get("PATH"),
+            # Only a task job may use the network itself; our executors talk through their bridge.
+            network=execution.dispatch.executor is ExecutorKind.TASK,
+            # One file no larger than the storage the lease grants (lease_limits watches the sum).
+            max_file_bytes=int(storage_gb * GIB) if storage_gb > 0 else None,
         )
+        process, out_read, err_read = await spawn_group_leader(argv, execution.work_dir, env)
         execution.process = process
         if execution.record.state.terminal:  # cancelled while the process was being created
             signal_group(process.pid, signal.SIGKILL)
@@ -108,6 +119,7 @@ class Supervisor:
             execution.helper(self._timeout(execution, plan.timeout_s), "timeout")
         if plan.marker is not None:
             execution.helper(self._watch_marker(execution, plan.marker), "marker")
+        execution.helper(self._hold_to_lease(execution), "lease")
         try:
             code = await process.wait()
             execution.exited.set()
@@ -167,6 +179,25 @@ class Supervisor:
     async def _timeout(self, execution: Execution, timeout_s: float) -> None:
         if not await execution.exited_within(timeout_s):
             self.stop(execution, StopCause.TIMEOUT, f"ran past its timeout of {timeout_s:g} s")
+
+    async def _hold_to_lease(self, execution: Execution) -> None:
+        """Kill the job at once, and fail it, when it goes over the memory or disk its lease grants."""
+        process = execution.process
+        assert process is not None
+        reason = await watch_lease(
+            lambda: lease_bounds(execution.leased, self.settings.default_memory_gb),
+            process.pid,
+            execution.work_dir,
+            execution.exited_within,
+            memory_poll_s=self.settings.memory_poll_s,
+            disk_poll_s=self.settings.disk_poll_s,
+        )
+        if reason is None or execution.exited.is_set():
+            return
+        # Already stopping for another cause (its grace running), it keeps that cause but not its grace.
+        execution.record.request_stop(StopCause.OVER_LEASE, self._clock(), reason)
+        execution.logs.line("system", f"over its lease, killed at once: {reason}")
+        signal_group(process.pid, signal.SIGKILL)
 
     async def _watch_marker(self, execution: Execution, marker: Path) -> None:
         # NOTE: polling a file is the portable way (no inotify in the standard library); the

@@ -80,6 +80,7 @@ from torch import nn
 from hypha import factories, models
 from hypha.directives import DirectiveKind
 from hypha.errors import HyphaError, InvalidArgumentError
+from hypha.worker.confine import make_non_dumpable
 from hypha.worker.executors.checkpoint_writer import DEFAULT_CHECKPOINT_INTERVAL_S, CheckpointWriter
 from hypha.worker.executors.global_sync import FragmentUpdate, GlobalSync
 from hypha.worker.executors.ps_link import ParameterServerLink
@@ -427,11 +428,14 @@ async def _main() -> int:
 
 
 def configure_process() -> None:
-    """Process-wide settings of an executor: logging, and one torch thread count per process.
+    """Process-wide settings of an executor: non-dumpable, logging, one torch thread count per process.
 
+    Non-dumpable: a task job of another client may run as the same user (every
+    sandbox mode but bwrap); its /proc files (environ, memory) stay closed to it.
     Several trainers share a machine: with torch's default (every core each)
     four trainers on two cores ran 3x slower than with one thread each.
     """
+    make_non_dumpable()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, int(os.environ.get("HYPHA_TORCH_THREADS", "1"))))
     from transformers.utils import logging as hf_logging
