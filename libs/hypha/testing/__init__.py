@@ -17,4 +17,6 @@ scheduler's planner; those parts need that role's distribution installed.
   ``executor_env``).
 - ``rounds_sim``: simulated workers driving a round planner (tests and the ``rounds`` benchmark).
 - ``cluster``: a local cluster of real processes (``E2ECluster``: e2e tests, the ``chaos`` benchmark).
+- ``wan``: a link lab, network namespaces joined by veth pairs capped with ``tbf`` (``wan_lab``:
+  the ``wan`` benchmark); needs root and iproute2.
 """
