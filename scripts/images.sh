@@ -8,9 +8,13 @@
 # scripts/base-image.sh builds from Debian's packages. Wheels come from
 # scripts/wheelhouse.sh; both steps skip work whose inputs did not change, and
 # docker's layer cache makes a rebuild after a code change take seconds.
-# HYPHA_IMAGES="core worker" builds a subset.
+# HYPHA_IMAGES="core worker" builds a subset. Compose v2 comes first
+# (scripts/compose-plugin.sh, a no-op where `docker compose` works), so the
+# README's `docker compose ...` commands work after this script, also where
+# only the python docker-compose 1.29 is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/compose-plugin.sh
 tag=${HYPHA_IMAGE_TAG:-latest}
 base=${HYPHA_BASE_IMAGE:-}
 if [ -z "$base" ]; then
@@ -23,8 +27,10 @@ if [ -z "$base" ]; then
 fi
 bash scripts/wheelhouse.sh
 revision=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-# The wheelhouse's keys as a label: the container tests rebuild when they differ.
-wheels="$(cat wheelhouse/.deps-key)/$(cat wheelhouse/.code-key)"
+# The wheelhouse's keys and the digest of the Dockerfiles and docker/ (the entrypoints) as a
+# label: the container tests rebuild when it differs (tests/containers/conftest.py).
+docker_key=$(cat Dockerfile Dockerfile.gpu docker/* | sha256sum | cut -d' ' -f1)
+wheels="$(cat wheelhouse/.deps-key)/$(cat wheelhouse/.code-key)/$docker_key"
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)
 args=(--build-arg "BASE_IMAGE=$base" --label "org.opencontainers.image.revision=$revision"
   --label "org.opencontainers.image.version=$version" --label "org.hypha.wheels=$wheels")

@@ -123,7 +123,16 @@ def unpack(data: bytes, sha256: str, target: Path, *, max_unpacked: int = MAX_UN
             f"the job's files unpack to {total} bytes, more than the {max_unpacked} allowed"
         )
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
-        archive.extractall(target, filter="data")
+        if hasattr(tarfile, "data_filter"):
+            archive.extractall(target, filter="data")
+        else:
+            # Python before 3.11.4 (Debian bookworm's 3.11.2, the images' stand-in base) has no
+            # extraction filters: the members are checked already (_members: relative names,
+            # files and directories only), and their modes are cut as the "data" filter cuts them.
+            checked = archive.getmembers()
+            for member in checked:
+                member.mode = (member.mode & 0o755) | (0o700 if member.isdir() else 0o600)
+            archive.extractall(target, members=checked)
     return [member.name for member in members if member.isfile()]
 
 

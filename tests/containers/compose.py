@@ -166,6 +166,13 @@ class Cluster:
         info: dict[str, Any] = json.loads(out.stdout)[0]
         return info
 
+    def exec(self, container: str, *argv: str, user: str | None = None) -> subprocess.CompletedProcess[str]:
+        """``docker exec`` (as the container's user, root for workers, unless ``user``)."""
+        as_user = ["-u", user] if user else []
+        return subprocess.run(
+            ["docker", "exec", *as_user, container, *argv], capture_output=True, text=True, timeout=120
+        )
+
     def health(self, container: str) -> str:
         state = self.inspect(container)["State"]
         return str(state.get("Health", {}).get("Status", state["Status"]))
@@ -179,6 +186,55 @@ class Cluster:
                 if line.startswith('{"event": "ready"'):
                     found[json.loads(line)["peer_id"]] = container
         return found
+
+    def ready_name(self, container: str) -> str:
+        """The certificate name the node in ``container`` serves as, from its ready line."""
+        logs = subprocess.run(["docker", "logs", container], capture_output=True, text=True).stdout
+        names = [
+            json.loads(line)["name"] for line in logs.splitlines() if line.startswith('{"event": "ready"')
+        ]
+        assert names, f"{container} logged no ready line"
+        return str(names[-1])
+
+    def worker_identity(self, container: str) -> str:
+        """The one identity a worker container holds, checked from outside: its name.
+
+        As root: /run/hypha/certs holds exactly NAME-{cert,key,trust}.pem, owned
+        by uid 10001 (the directory 0700, the key 0600), and the pool at /pool
+        is root's alone (0700); as uid 10001, what the worker and its jobs run
+        as, the pool cannot even be listed.
+        """
+        listed = self.exec(container, "ls", "-A", "/run/hypha/certs")
+        assert listed.returncode == 0, listed.stderr
+        files = sorted(listed.stdout.split())
+        assert len(files) == 3 and files[0].endswith("-cert.pem"), files
+        name = files[0].removesuffix("-cert.pem")
+        assert files == [f"{name}-cert.pem", f"{name}-key.pem", f"{name}-trust.pem"], files
+        modes = self.exec(
+            container, "stat", "-c", "%u %a", "/run/hypha/certs", f"/run/hypha/certs/{name}-key.pem", "/pool"
+        )
+        assert modes.stdout.split("\n")[:3] == ["10001 700", "10001 600", "0 700"], modes.stdout
+        pool = self.exec(container, "ls", "/pool", user="10001")
+        assert pool.returncode != 0 and "Permission denied" in pool.stderr, (pool.stdout, pool.stderr)
+        return name
+
+    def worker_process(self, container: str) -> tuple[int, dict[str, str]]:
+        """The pid of ``hypha-worker run`` in ``container`` and its /proc status fields (read as root)."""
+        find = (
+            "import os, pathlib\n"
+            "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+            "    try: argv = pathlib.Path(f'/proc/{pid}/cmdline').read_bytes().split(b'\\0')\n"
+            "    except OSError: continue  # gone meanwhile\n"
+            "    if any(a.endswith(b'/hypha-worker') for a in argv) and b'run' in argv:\n"
+            "        print(pid)\n"
+        )
+        found = self.exec(container, "python3", "-c", find)
+        pids = found.stdout.split()
+        assert len(pids) == 1, (pids, found.stderr)
+        pid = pids[0]
+        status = self.exec(container, "cat", f"/proc/{pid}/status").stdout
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        return int(pid), {key: value.strip() for key, value in fields.items()}
 
     def port(self, service: str, port: int) -> int:
         return int(self.run("port", service, str(port)).stdout.strip().rsplit(":", 1)[1])
@@ -196,6 +252,10 @@ class Cluster:
     def submit(self, name: str, rounds: int, samples: int = 256) -> str:
         job = self.workdir / f"{name}.toml"
         job.write_text(JOB_TOML.format(name=name, rounds=rounds, samples=samples))
+        return self.submit_file(job)
+
+    def submit_file(self, job: Path) -> str:
+        """``hypha submit JOB.toml``: the job id (files the job ships lie beside it)."""
         out = self.hypha("--output", "json", "submit", str(job))
         assert out.returncode == 0, out.stderr
         job_id: str = json.loads(out.stdout)["job_id"]

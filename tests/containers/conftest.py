@@ -1,15 +1,17 @@
 """The real images and the real docker-compose.yml, driven through testcontainers.
 
-One compose project is shared by the whole module that uses ``cluster`` (a
-cluster takes about a minute to come up on 2 cores). Without Docker (or
+One compose project is shared by every test that uses ``cluster``, across
+modules (a cluster takes about a minute to come up on 2 cores). Without Docker (or
 Compose v2, which testcontainers drives) the tests skip with the reason;
 with ``CI=true`` that is a failure instead. The images are built by
 ``scripts/images.sh`` (CI runs it first); the session fixture rebuilds them
-only when the wheelhouse's inputs changed, so the layer cache keeps it short.
+only when the wheelhouse's inputs, the Dockerfiles or docker/ changed, so the
+layer cache keeps it short.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 from collections.abc import Iterator
@@ -56,7 +58,7 @@ def _docker_required_in_ci() -> None:
 
 @pytest.fixture(scope="session")
 def images() -> None:
-    """The images, current with the code: scripts/images.sh when the wheelhouse changed."""
+    """The images, current with the code: scripts/images.sh when the wheelhouse or docker/ changed."""
     keys = _wheelhouse_keys()
     labels = [_image_label(f"{name}:latest") for name in IMAGES]
     if all(label == keys for label in labels):
@@ -65,9 +67,12 @@ def images() -> None:
 
 
 def _wheelhouse_keys() -> str:
+    """The label scripts/images.sh gives images: wheelhouse keys, Dockerfiles' and docker/'s digest."""
     subprocess.run(["bash", "scripts/wheelhouse.sh"], cwd=ROOT, check=True, capture_output=True, timeout=3600)
     house = ROOT / "wheelhouse"
-    return f"{(house / '.deps-key').read_text().strip()}/{(house / '.code-key').read_text().strip()}"
+    files = [ROOT / "Dockerfile", ROOT / "Dockerfile.gpu", *sorted((ROOT / "docker").iterdir())]
+    docker = hashlib.sha256(b"".join(path.read_bytes() for path in files)).hexdigest()
+    return f"{(house / '.deps-key').read_text().strip()}/{(house / '.code-key').read_text().strip()}/{docker}"
 
 
 def _image_label(image: str) -> str:
@@ -79,7 +84,7 @@ def _image_label(image: str) -> str:
     return out.stdout.strip() if out.returncode == 0 else ""
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(images: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A compose cluster with 4 workers and a relay-only worker, down (with its volumes) afterwards."""
     with Cluster.up(tmp_path_factory.mktemp("compose"), workers=4, profiles=["relay"]) as running:

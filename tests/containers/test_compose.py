@@ -1,7 +1,8 @@
 """The compose cluster from the host: healthy, trains, survives faults, keeps its PKI.
 
-The tests share one cluster (``cluster``, per module) and run in file order:
-the faults come after the plain job, and ``down``/``up`` comes last.
+The tests share one cluster (``cluster``, per session, with
+test_confinement.py) and run in file order: the faults come after the plain
+job, and ``down``/``up`` comes last (what runs after it finds the cluster up again).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ pytestmark = pytest.mark.timeout(1200)
 NODES = ("gw0", "gw1", "data", "scheduler", "worker", "worker-relay")
 TRAINER = "EXECUTOR_KIND_DILOCO_TRAINER"
 FIND_CA_KEYS = "find / \\( -path /proc -o -path /sys \\) -prune -o -name '*ca-key.pem' -print"
+FIND_READABLE_KEYS = (
+    "find / \\( -path /proc -o -path /sys \\) -prune -o -name '*-key.pem' -readable -print 2>/dev/null"
+)
 
 
 def _trainers(cluster: Cluster, job_id: str) -> list[str]:
@@ -80,6 +84,26 @@ def test_the_ca_key_stays_in_the_pki_volume(cluster: Cluster) -> None:
                 timeout=60,
             )
             assert found.stdout.strip() == "", (service, found.stdout)
+
+
+def test_each_worker_container_holds_only_its_own_key(cluster: Cluster) -> None:
+    """The pool is root's; a worker copies out its own identity, then runs as uid 10001 with no capability."""
+    names = []
+    for service in ("worker", "worker-relay"):
+        for container in cluster.containers(service):
+            name = cluster.worker_identity(container)
+            assert cluster.ready_name(container) == name, service
+            # Readable to the worker's user: its own key, and no other key of the whole container.
+            keys = cluster.exec(container, "sh", "-c", FIND_READABLE_KEYS, user="10001")
+            assert keys.stdout.split() == [f"/run/hypha/certs/{name}-key.pem"], keys.stdout
+            _, status = cluster.worker_process(container)
+            assert status["Uid"].split() == ["10001"] * 4 and status["Gid"].split() == ["10001"] * 4, status
+            assert status["Groups"] == "", status
+            for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+                assert int(status[caps], 16) == 0, (caps, status[caps])
+            assert status["NoNewPrivs"] == "1", status
+            names.append(name)
+    assert len(set(names)) == len(names) == len(cluster.containers("worker")) + 1, names
 
 
 def test_diloco_job_from_the_host(cluster: Cluster, tmp_path: Path) -> None:

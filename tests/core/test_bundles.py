@@ -40,6 +40,30 @@ def test_pack_then_unpack_gives_the_same_files_and_a_stable_digest(tmp_path: Pat
     assert bundles.pack(["train.py", "data/"], src) == data  # reproducible: same bytes, same digest
 
 
+def test_unpack_works_on_a_python_without_extraction_filters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python before 3.11.4 (Debian bookworm's 3.11.2, the worker image's stand-in base) has no ``filter``."""
+    extractall = tarfile.TarFile.extractall
+
+    def old_extractall(
+        self: tarfile.TarFile, path: str | Path = ".", members: object = None, **kw: object
+    ) -> None:
+        if "filter" in kw:
+            raise TypeError("TarFile.extractall() got an unexpected keyword argument 'filter'")
+        extractall(self, path, members, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.delattr(tarfile, "data_filter")
+    monkeypatch.setattr(tarfile.TarFile, "extractall", old_extractall)
+    setuid = tarfile.TarInfo("run.sh")
+    setuid.size, setuid.mode = 1, 0o4777
+    data = raw_tar(setuid)
+
+    assert bundles.unpack(data, bundles.sha256_hex(data), tmp_path / "work") == ["run.sh"]
+    assert (tmp_path / "work" / "run.sh").read_bytes() == b"x"
+    assert (tmp_path / "work" / "run.sh").stat().st_mode & 0o7777 == 0o755  # as the "data" filter leaves it
+
+
 @pytest.mark.parametrize("name", ["/etc/passwd", "../up.txt", "", "."])
 def test_pack_refuses_paths_outside_the_job_dir(tmp_path: Path, name: str) -> None:
     with pytest.raises(InvalidArgumentError, match="must be a relative path"):

@@ -5,9 +5,11 @@ and validated strictly (unknown fields are errors) against the OpenAPI
 schemas of the oldest and newest Kubernetes versions we claim, then checked
 for what a schema cannot see: only our images, non-root pods that cannot
 escalate, an mTLS health probe on every container, GPUs requested by the
-GPU workers only, Services that reach their pods, and certificate Secrets
+GPU workers only, Services that reach their pods, certificate Secrets
 (made by the README's own commands) that hold exactly the files each node
-reads and never a CA key.
+reads and never a CA key, a worker container that mounts no Secret (its init
+container copies its own identity out of the pool), and no job sandbox
+turned off.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from tests.deploy.kustomize import Resource, kubectl, pod_specs, render, render_fallback, render_kubectl
-from tests.deploy.readme import DEPLOY, bash_block
+from tests.deploy.readme import DEPLOY, ROOT, bash_block
 
 KUSTOMIZATIONS = {"base": DEPLOY / "kubernetes" / "base", "cpu": DEPLOY / "kubernetes" / "overlays" / "cpu"}
 #: The oldest Kubernetes the manifests are meant for, and the newest schema we have.
@@ -80,7 +82,18 @@ def test_workloads_run_only_our_images_as_non_root_with_mtls_probes(
         assert context["runAsNonRoot"] is True and context["runAsUser"] == 10001, name
         assert context["seccompProfile"]["type"] == "RuntimeDefault", name
         assert pod["automountServiceAccountToken"] is False, name
-        assert "initContainers" not in pod, name
+        # The worker's one init container copies its identity; no other pod has one.
+        assert [c["name"] for c in pod.get("initContainers", [])] == (
+            ["identity"] if name == "worker" else []
+        )
+        for container in pod.get("initContainers", []):
+            image, _, tag = container["image"].partition(":")
+            assert image in OUR_IMAGES and tag, f"{name}: {container['image']}"
+            security = container["securityContext"]
+            assert security["allowPrivilegeEscalation"] is False, name
+            assert security["readOnlyRootFilesystem"] is True, name
+            assert security["capabilities"]["drop"] == ["ALL"], name
+            assert "runAsUser" not in security or security["runAsUser"] == 10001, name
         for container in pod["containers"]:
             image, _, tag = container["image"].partition(":")
             assert image in OUR_IMAGES and tag, f"{name}: {container['image']}"
@@ -96,6 +109,62 @@ def test_workloads_run_only_our_images_as_non_root_with_mtls_probes(
             # A read-only root needs a writable /tmp: hypha-node writes the node's config there.
             mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
             assert "/tmp" in mounts and mounts["/certs"]["readOnly"] is True, name
+
+
+def test_the_worker_container_mounts_only_its_own_identity_and_no_secret(
+    rendered: tuple[str, list[Resource]],
+) -> None:
+    _, resources = rendered
+    pod = pod_specs(resources)["worker"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (worker,) = pod["containers"]
+    (init,) = pod["initContainers"]
+    mounted = {m["mountPath"]: volumes[m["name"]] for m in worker["volumeMounts"]}
+    assert not [v for v in mounted.values() if "secret" in v or "projected" in v], mounted
+    # /certs is the in-memory volume the init container fills from the pool Secret.
+    certs = mounted["/certs"]
+    assert certs["emptyDir"]["medium"] == "Memory", certs
+    init_mounts = {m["mountPath"]: m for m in init["volumeMounts"]}
+    assert volumes[init_mounts["/pool"]["name"]]["secret"]["secretName"] == "hypha-workers"
+    assert init_mounts["/pool"]["readOnly"] is True
+    assert init_mounts["/identity"]["name"] == certs["name"]
+    assert init["args"] == ["copy-identity", "/pool", "/identity"]
+    assert init["image"] == worker["image"]  # the cpu overlay's image rewrite reaches it too
+    # It copies the replica's own name, the one the worker runs as.
+    (name,) = [e for e in init["env"] if e["name"] == "HYPHA_NODE_NAME"]
+    assert name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert _env(worker)["HYPHA_NODE_NAME"] == "$(POD_NAME)"
+
+
+def test_copy_identity_takes_only_the_named_replicas_files(tmp_path: Path) -> None:
+    """The init container's command (docker/hypha-node copy-identity) on a Secret like hypha-workers."""
+    pool, dest = tmp_path / "pool", tmp_path / "identity"
+    pool.mkdir()
+    for k in (0, 1):
+        for part in ("cert", "key", "trust"):
+            (pool / f"worker-{k}-{part}.pem").write_text(f"worker-{k} {part}")
+            (pool / f"worker-{k}-{part}.pem").chmod(0o440)
+    node = ["sh", str(ROOT / "docker" / "hypha-node"), "copy-identity", str(pool), str(dest)]
+    env = {**os.environ, "HYPHA_NODE_NAME": "worker-1"}
+    out = subprocess.run(node, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in dest.iterdir()) == [
+        f"worker-1-{part}.pem" for part in ("cert", "key", "trust")
+    ]
+    assert (dest / "worker-1-key.pem").read_text() == "worker-1 key"
+    assert (dest / "worker-1-key.pem").stat().st_mode & 0o777 == 0o600
+    missing = subprocess.run(
+        node, env={**env, "HYPHA_NODE_NAME": "worker-2"}, capture_output=True, text=True, timeout=60
+    )
+    assert missing.returncode == 2 and "worker-2-cert.pem" in missing.stderr, missing.stderr
+
+
+def test_no_manifest_turns_the_job_sandbox_off(rendered: tuple[str, list[Resource]]) -> None:
+    _, resources = rendered
+    for name, pod in pod_specs(resources).items():
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            sandbox = _env(container).get("HYPHA_WORKER__JOBS__SANDBOX", "auto")
+            assert sandbox != "none", f"{name}/{container['name']}"
 
 
 def test_gpu_workers_request_gpus_and_the_cpu_overlay_none(rendered: tuple[str, list[Resource]]) -> None:

@@ -1,10 +1,10 @@
-"""deploy/vm-gpu-worker: a GPU worker with outbound connections only and nothing but its own certificate.
+"""deploy/vm-gpu-worker: an outbound-only GPU worker with only its own certificate, jobs confined.
 
 The README's commands run as written in a scratch copy of the directory
 (which plays both the CA's machine and the VM), with ``config`` in place of
 ``up`` and ``ps``: there is no GPU and no cluster here. The rendered project
-must publish no port, advertise no address, reserve the GPUs and mount no
-CA key. The compose PKI's ``issue-worker`` is run too, as the README offers it.
+must publish no port, advertise no address, reserve the GPUs, mount no CA
+key and leave the job sandbox on. The compose PKI's ``issue-worker`` is run too, as the README offers it.
 """
 
 from __future__ import annotations
@@ -84,6 +84,9 @@ def test_the_example_renders_an_outbound_only_gpu_worker(tmp_path: Path) -> None
     assert env["HYPHA_ADVERTISE"] == "none" and "HYPHA_NET__EXTERNAL_ADDRESSES" not in env
     assert json.loads(env["HYPHA_NET__GATEWAYS"]) == ["gw0.example.org:7000", "gw1.example.org:7000"]
     assert env["HYPHA_NODE_NAME"] == "vm-gpu-1"
+    # Jobs stay confined: the sandbox is left at its default (auto: Landlock in a container).
+    assert env.get("HYPHA_WORKER__JOBS__SANDBOX", "auto") != "none"
+    assert not any("SANDBOX" in line for line in (vm / "worker.env.example").read_text().splitlines())
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
     assert device["count"] in ("all", -1)  # v2 renders "all" as -1
