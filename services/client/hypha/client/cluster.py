@@ -43,6 +43,10 @@ class Cluster:
     #: Extra ``--set KEY=VALUE`` overrides by node name or by role (a name's come after its role's),
     #: e.g. ``{"worker": ["worker.lease_ttl_s=5"], "worker2": ["net.external_addresses=[...]"]}``.
     overrides: dict[str, list[str]] = field(default_factory=dict)
+    #: What a node's command runs under, by node name: e.g. ``["ip", "netns", "exec", NS]`` puts
+    #: that node in another network namespace (``benchmarks/wan.py``'s capped sites). It must
+    #: exec the command, so the pid ``cluster.json`` records stays the node's.
+    launchers: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Every path derived from here reaches other processes (node configs, worker work dirs,

@@ -107,7 +107,9 @@ def prepare(cluster: Cluster, rounds: int, say: Callable[[str], None]) -> Path:
     return model_dir
 
 
-def job_toml(model_dir: Path, rounds: int, inner_steps: int = INNER_STEPS) -> str:
+def job_toml(model_dir: Path, rounds: int, inner_steps: int = INNER_STEPS, settings: str = "") -> str:
+    """The demo's job; ``settings`` are more ``[job]`` lines (``benchmarks/wan.py``'s variants:
+    ``delta_dtype = "int8"``, ``overlap_sync = true``)."""
     return f"""
 [job]
 name = "demo-arithmetic"
@@ -118,6 +120,7 @@ min_batch_size = {BATCH}
 max_batch_size = {BATCH}
 quorum = 0.5
 round_timeout_s = 120
+{settings}
 
 [job.model]
 local_path = {json.dumps(str(model_dir))}

@@ -74,6 +74,7 @@ class Supervisor:
         ready = run / f"{name}.ready"
         ready.unlink(missing_ok=True)
         argv = [
+            *cluster.launchers.get(name, []),
             sys.executable,
             # -P: the current dir (where keys may lie) is no import path, so no Landlock sandbox grants it.
             "-P",
