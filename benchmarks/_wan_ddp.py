@@ -146,7 +146,8 @@ def run_rank(rank: int, master: str, steps: int, model_dir: Path, curve_dir: Pat
     from hypha.datasets import synthetic
     from hypha.models import ModelKind
     from hypha.tensors.payload import encode_state
-    from hypha.worker.executors.training import InnerSettings, make_inner_optimizer, train_step
+    from hypha.worker.executors.diloco_settings import InnerSettings, make_inner_optimizer
+    from hypha.worker.executors.inner_steps import train_step
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -3,7 +3,7 @@
 Workers of different speeds train between syncs; a round ends when the last
 one arrives, and everyone who arrived earlier idles until then. We measure
 the fraction of worker time spent idle at sync points with the scheduler's
-performance-aware planner (``hypha.scheduler.rounds.RoundPlanner``: each
+performance-aware planner (``hypha.scheduler.diloco.round_planner.RoundPlanner``: each
 worker is told how many more batches to run so all arrive together) against
 the baseline of equal batch counts per worker (``hypha.testing.rounds_sim.EqualBatchPlanner``), both
 on the same simulated workers in the same run. The simulation is a
@@ -24,7 +24,7 @@ from typing import Any
 
 from _common import median, report
 
-from hypha.scheduler.rounds import Planner, RoundPlanner
+from hypha.scheduler.diloco.round_planner import Planner, RoundPlanner
 from hypha.testing.rounds_sim import EqualBatchPlanner, SimWorker, heterogeneous_workers, simulate
 
 SAMPLES_PER_ROUND = 4096

@@ -21,7 +21,8 @@ third_party=(
   aiohttp prometheus-client landlockpy
 )
 # Our distributions: installed with --no-deps, so their torch pin never reaches the host's torch.
-ours=(hypha-ml hypha-ml-gateway hypha-ml-scheduler hypha-ml-data hypha-ml-client hypha-ml-worker)
+# hypha-ml-testing: the harness the benchmarks import (hypha.testing).
+ours=(hypha-ml hypha-ml-gateway hypha-ml-scheduler hypha-ml-data hypha-ml-client hypha-ml-worker hypha-ml-testing)
 
 prepare() {
   local py=${PYTHON:-$PWD/.venv/bin/python}
@@ -43,7 +44,7 @@ prepare() {
     | tar -C "$scratch" -x
   local here=$PWD
   (cd "$scratch" && "${pip[@]}" wheel --quiet --no-deps --no-build-isolation -w "$here/$house" \
-    . services/gateway services/scheduler services/data services/client services/worker)
+    . services/gateway services/scheduler services/data services/client services/worker libs/testing)
   local bytes
   bytes=$(du -sb "$house" | cut -f1)
   echo "gpu-check: $(find "$house" -name '*.whl' | wc -l) wheels, $((bytes / 1048576)) MiB in $house"

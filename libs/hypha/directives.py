@@ -1,6 +1,6 @@
 """What the scheduler tells a DiLoCo trainer after each progress report.
 
-The scheduler decides (``hypha.scheduler.rounds``), the trainer obeys
+The scheduler decides (``hypha.scheduler.diloco.round_planner``), the trainer obeys
 (``hypha.worker.executors.diloco_trainer``), and the job bridge carries the
 value between them as its string; the proto enum ``DirectiveKind`` carries it
 on the wire. This is the one definition both roles share. It lives outside

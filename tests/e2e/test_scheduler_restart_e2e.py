@@ -3,7 +3,7 @@
 The scheduler is SIGKILLed mid-job (it releases nothing, as when its machine
 dies) and started again with the same identity, state dir and address. It
 finds the job in SQLite with the state its run saved (leases, trainers,
-slice assignments, round: ``hypha.scheduler.diloco_resume``) and resumes it:
+slice assignments, round: ``hypha.scheduler.diloco.resume``) and resumes it:
 
 1. Restarted within the leases' life: every lease is taken back (renewed),
    nothing is dispatched again, the parameter server and the trainers never

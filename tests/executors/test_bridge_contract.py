@@ -32,7 +32,7 @@ from hypha.errors import InvalidArgumentError, NotFoundError, PermissionDeniedEr
 from hypha.models import ModelKind
 from hypha.tensors.payload import decode_state, encode_state
 from hypha.v1 import common_pb2
-from hypha.worker.executors import trainer_state, training
+from hypha.worker.executors import bridge_api, diloco_settings, inner_steps, trainer_state
 from hypha.worker.executors.diloco_trainer import DilocoTrainer
 from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
 from tests.executors import (
@@ -196,7 +196,7 @@ async def test_the_job_tells_the_executor_who_it_is(
     assert (job.job_id, job.batch_size, job.parameter_server_id) == ("job-1", 8, "ps")
     assert (tuple(job.trainer_ids), job.start_round, job.attempt) == (("t0", "t1"), 2, 1)
     assert _resolved(job.work_dir) == _resolved(tmp_path / "jobs" / "t1")
-    assert training.diloco_spec(job.spec).rounds == 3
+    assert diloco_settings.diloco_spec(job.spec).rounds == 3
     model_dir = await bridge.fetch_resource("model")
     assert (Path(model_dir) / "config.json").is_file()
     with pytest.raises(NotFoundError):
@@ -273,7 +273,7 @@ async def test_sent_tensors_land_in_the_peers_inbox_of_their_kind(
     other = await server.inbox("ps-state", timeout_s=0.05)
     received = await server.inbox("delta", timeout_s=5.0)
 
-    assert training.send_outcome(reply)[0] is True
+    assert bridge_api.send_outcome(reply)[0] is True
     assert other is None  # a delta is not in the inbox of another kind
     assert received is not None
     assert (received.data, received.from_peer, received.kind, received.round, received.samples) == (
@@ -416,7 +416,7 @@ async def test_a_trainer_runs_a_round_fetching_data_reporting_progress_and_takin
     assert metrics[1] == 0 and metrics[2]["batches"] == 3
     assert metrics[2]["tensor_bytes_pushed"] == len(network.deltas()[0].data)
     model = models.build_model(common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_CAUSAL_LM), gpt2_dir)
-    optimizer = training.make_inner_optimizer(model, training.InnerSettings())
+    optimizer = diloco_settings.make_inner_optimizer(model, diloco_settings.InnerSettings())
     state_dir = network.job_for("t0").work_dir / "trainer-state"
     assert trainer_state.load_trainer_state(state_dir, model, optimizer) == trainer_state.TrainerState(1, 24)
     assert server.core is not None
@@ -432,7 +432,7 @@ async def test_the_parameter_server_aggregates_two_deltas_and_publishes_theta(
     network = _network(tmp_path, gpt2_dir, ("t0", "t1"), rounds=1)
     side = make_side(network)
     spec = common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_CAUSAL_LM)
-    theta0 = training.parameter_state(models.build_model(spec, gpt2_dir))
+    theta0 = inner_steps.parameter_state(models.build_model(spec, gpt2_dir))
     deltas = {peer: _delta(theta0, seed) for seed, peer in enumerate(("t0", "t1"))}
     samples = {"t0": 8, "t1": 24}
     for peer, delta in deltas.items():

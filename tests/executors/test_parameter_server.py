@@ -16,7 +16,7 @@ from hypha.errors import FailedPreconditionError
 from hypha.models import ModelKind
 from hypha.tensors.payload import decode_state, encode_state, read_metadata
 from hypha.v1 import common_pb2
-from hypha.worker.executors import training
+from hypha.worker.executors import inner_steps
 from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
 from tests.executors import FakeNetwork, FakeReceived, diloco_spec
 from tests.helpers import FakeClock
@@ -34,7 +34,7 @@ def vit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def theta0(vit_dir: Path) -> dict[str, torch.Tensor]:
     spec = common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_VISION_CLASSIFICATION)
-    return training.parameter_state(models.build_model(spec, vit_dir))
+    return inner_steps.parameter_state(models.build_model(spec, vit_dir))
 
 
 def _network(root: Path, vit_dir: Path, rounds: int = 3, **spec: object) -> FakeNetwork:

@@ -12,8 +12,8 @@ import torch
 from hypha.bridge_client.client import SliceInfo
 from hypha.datasets.prepare import write_dataset
 from hypha.errors import FailedPreconditionError, UnavailableError
+from hypha.worker.executors.batches import BatchStream
 from hypha.worker.executors.slice_feed import SliceFeed
-from hypha.worker.executors.training import BatchStream
 from tests.helpers import eventually
 
 ROWS = 6  # per slice

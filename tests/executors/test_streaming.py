@@ -16,7 +16,7 @@ from hypha.diloco.streaming import FragmentedOuter, partition
 from hypha.models import ModelKind
 from hypha.tensors.payload import decode_state, encode_state
 from hypha.v1 import common_pb2
-from hypha.worker.executors import training
+from hypha.worker.executors import bridge_api, inner_steps
 from hypha.worker.executors.diloco_trainer import DilocoTrainer, TrainerOptions
 from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
 from tests.executors import FakeBridge, FakeNetwork, diloco_spec, sync_every, write_slices
@@ -65,7 +65,7 @@ class _TrainerBridge(FakeBridge):
 
     async def fetch_tensors(self, peer: str, kind: str, round: int, timeout_s: float) -> bytes | None:
         data = await super().fetch_tensors(peer, kind, round, timeout_s)
-        if data is not None and kind == training.UPDATE:
+        if data is not None and kind == bridge_api.UPDATE:
             self.updates[round] = len(data)
         return data
 
@@ -86,7 +86,7 @@ class _GatedServerBridge(FakeBridge):
 
     async def inbox(self, kind: str, timeout_s: float) -> Any:
         core = self.server.core if self.server is not None else None
-        if kind == training.DELTA and core is not None and core.round_number < self.last_round:
+        if kind == bridge_api.DELTA and core is not None and core.round_number < self.last_round:
             current = core.round_number
             async with self.rounds.changed:
                 await self.rounds.changed.wait_for(
@@ -144,7 +144,7 @@ async def test_two_fragments_sync_half_the_model_each_overlapped_and_match_the_r
     # Assert: the job completes; round r carries fragment r mod 2 only, about half the bytes,
     # weighted by the samples since that fragment's last sync.
     assert list(codes) == [0, 0, 0]
-    theta0 = training.parameter_state(
+    theta0 = inner_steps.parameter_state(
         models.build_model(common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_CAUSAL_LM), gpt2_dir)
     )
     fragments = partition({n: t.numel() for n, t in theta0.items()}, 2)
@@ -188,12 +188,12 @@ async def test_two_fragments_sync_half_the_model_each_overlapped_and_match_the_r
     )
     core = await restarted.start()
     assert core.fragments == fragments and core.round_number == rounds
-    update = decode_state(network.published[(network.ps_id, training.UPDATE, rounds - 1)].read_bytes())
+    update = decode_state(network.published[(network.ps_id, bridge_api.UPDATE, rounds - 1)].read_bytes())
     assert set(update) == set(fragments[(rounds - 1) % 2])
     assert all(torch.equal(update[n], theta_global[n]) for n in update)
-    assert set(decode_state(network.published[(network.ps_id, training.GLOBAL, rounds)].read_bytes())) == set(
-        theta0
-    )
+    assert set(
+        decode_state(network.published[(network.ps_id, bridge_api.GLOBAL, rounds)].read_bytes())
+    ) == set(theta0)
 
 
 async def test_overlap_sync_keeps_training_while_whole_model_rounds_travel(
@@ -218,7 +218,7 @@ async def test_overlap_sync_keeps_training_while_whole_model_rounds_travel(
     # Assert: every round's delta is the whole model, θ_global is plain DiLoCo's outer step over
     # the deltas sent, and each trainer ends on it (its last update landed after its last step).
     assert list(codes) == [0, 0, 0]
-    theta0 = training.parameter_state(
+    theta0 = inner_steps.parameter_state(
         models.build_model(common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_CAUSAL_LM), gpt2_dir)
     )
     for r in range(rounds):

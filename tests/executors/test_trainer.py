@@ -18,7 +18,7 @@ from hypha.errors import UnavailableError
 from hypha.models import ModelKind
 from hypha.tensors.payload import decode_state, encode_state
 from hypha.v1 import common_pb2
-from hypha.worker.executors import diloco_trainer, trainer_state, training
+from hypha.worker.executors import diloco_settings, diloco_trainer, inner_steps, trainer_state
 from hypha.worker.executors.diloco_trainer import DilocoTrainer, TrainerOptions
 from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
 from tests.executors import FakeBridge, FakeNetwork, diloco_spec, sync_after_first, sync_every, write_slices
@@ -100,7 +100,7 @@ async def test_three_trainers_with_unequal_batches_match_the_reference_and_lower
     for r in range(rounds):
         sent = {s.sender: s.samples for s in network.deltas(r)}
         assert sent == {peer: 8 * n for peer, n in batches.items()}, r
-    theta0 = training.parameter_state(
+    theta0 = inner_steps.parameter_state(
         models.build_model(common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_CAUSAL_LM), gpt2_dir)
     )
     expected = _reference(theta0, network, rounds)
@@ -190,7 +190,7 @@ async def test_int8_deltas_are_a_quarter_of_fp32_and_the_server_steps_with_what_
     # Assert: the wire holds int8 codes, θ_global is torch's SGD over the decoded deltas,
     # and each trainer keeps a (small, non-zero) residual for its next round.
     assert codes == [0, 0, 0]
-    theta0 = training.parameter_state(
+    theta0 = inner_steps.parameter_state(
         models.build_model(common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_CAUSAL_LM), gpt2_dir)
     )
     fp32_bytes = len(encode_state(theta0))
@@ -272,7 +272,7 @@ async def test_a_trainer_resends_its_delta_until_the_update_comes(
     task = asyncio.ensure_future(trainer.run())
     # No parameter server runs: every fetch times out and the trainer sends its delta again.
     await eventually(lambda: len(network.deltas(0)) >= 3, timeout=30)
-    theta = {n: torch.full_like(t, 0.5) for n, t in training.parameter_state(trainer.model).items()}  # type: ignore[arg-type]
+    theta = {n: torch.full_like(t, 0.5) for n, t in inner_steps.parameter_state(trainer.model).items()}  # type: ignore[arg-type]
     path = tmp_path / "update.safetensors"
     path.write_bytes(encode_state(theta, "fp32"))
     await network.publish("ps", "update", 0, path)
@@ -340,7 +340,7 @@ async def test_the_trainer_process_trains_through_the_real_job_bridge(
     # The trainer's checkpoint holds the θ_global of the last update.
     saved = trainer_state.TrainerState(2, 48)
     model = models.build_model(common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_CAUSAL_LM), gpt2_dir)
-    optimizer = training.make_inner_optimizer(model, training.InnerSettings())
+    optimizer = diloco_settings.make_inner_optimizer(model, diloco_settings.InnerSettings())
     assert trainer_state.load_trainer_state(work_dir / "trainer-state", model, optimizer) == saved
     assert ps.core is not None
     for name, p in model.named_parameters():

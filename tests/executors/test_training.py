@@ -16,9 +16,10 @@ from hypha.errors import DataLossError, InvalidArgumentError
 from hypha.models import ModelKind
 from hypha.tensors.payload import decode_state
 from hypha.v1 import common_pb2
-from hypha.worker.executors import trainer_state, training
+from hypha.worker.executors import diloco_settings, inner_steps, trainer_state
+from hypha.worker.executors.batches import BatchStream
 from hypha.worker.executors.checkpoint_writer import CheckpointWriter
-from hypha.worker.executors.training import BatchStream, InnerSettings
+from hypha.worker.executors.diloco_settings import InnerSettings
 
 
 def _spec(kind: ModelKind, **fields: object) -> common_pb2.ModelSpec:
@@ -40,9 +41,9 @@ def _batches(tensors: dict[str, torch.Tensor], size: int) -> list[dict[str, torc
 
 
 def _train(model: nn.Module, kind: ModelKind, batches: list[dict[str, torch.Tensor]], lr: float) -> None:
-    optimizer = training.make_inner_optimizer(model, InnerSettings(lr=lr))
+    optimizer = diloco_settings.make_inner_optimizer(model, InnerSettings(lr=lr))
     for batch in batches:
-        training.train_step(model, optimizer, kind, batch)
+        inner_steps.train_step(model, optimizer, kind, batch)
 
 
 def test_tiny_gpt2_from_its_dir_lowers_the_loss_on_arithmetic(tmp_path: Path) -> None:
@@ -148,19 +149,19 @@ def test_delta_and_apply_round_trip_on_a_tied_model(tmp_path: Path) -> None:
     model = models.build_model(
         _spec(ModelKind.CAUSAL_LM), models.save_tiny_model(ModelKind.CAUSAL_LM, tmp_path / "m")
     )
-    theta_global = training.parameter_state(model)
+    theta_global = inner_steps.parameter_state(model)
     # Tied embeddings travel once: the head is not a separate parameter.
     assert "lm_head.weight" not in theta_global
     _train(model, ModelKind.CAUSAL_LM, _batches(synthetic.arithmetic(16).tensors, 8), lr=1e-2)
-    theta_local = training.parameter_state(model)
+    theta_local = inner_steps.parameter_state(model)
 
-    delta = training.compute_delta(model, theta_global)
+    delta = inner_steps.compute_delta(model, theta_global)
 
     assert set(delta) == set(theta_global)
     assert any(bool(d.abs().max() > 0) for d in delta.values())
     for name in delta:
         assert torch.allclose(theta_global[name] + delta[name], theta_local[name], atol=1e-6)
-    training.apply_global(model, theta_global)
+    inner_steps.apply_global(model, theta_global)
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), theta_global[name])
     tied: Any = model
@@ -170,7 +171,7 @@ def test_delta_and_apply_round_trip_on_a_tied_model(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("dtype", "torch_dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_deltas_travel_in_the_jobs_dtype(dtype: str, torch_dtype: torch.dtype) -> None:
     delta = {"w": torch.linspace(-1, 1, 64).reshape(8, 8)}
-    blob = training.encode_delta(delta, dtype, round_number=3, samples=12)
+    blob = inner_steps.encode_delta(delta, dtype, round_number=3, samples=12)
     raw = decode_state(blob, None)
     assert raw["w"].dtype == torch_dtype
     assert torch.allclose(decode_state(blob)["w"], delta["w"], atol=1e-2)
@@ -179,13 +180,13 @@ def test_deltas_travel_in_the_jobs_dtype(dtype: str, torch_dtype: torch.dtype) -
 def test_apply_global_refuses_a_state_of_another_model() -> None:
     model = nn.Linear(2, 2)
     with pytest.raises(InvalidArgumentError):
-        training.apply_global(model, {"weight": torch.zeros(2, 2)})
+        inner_steps.apply_global(model, {"weight": torch.zeros(2, 2)})
 
 
 def test_trainer_state_round_trips_model_optimizer_and_round(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
-    optimizer = training.make_inner_optimizer(model, InnerSettings(lr=1e-2))
+    optimizer = diloco_settings.make_inner_optimizer(model, InnerSettings(lr=1e-2))
     batch = {"x": torch.randn(8, 4)}
     for _ in range(3):
         optimizer.zero_grad()
@@ -197,7 +198,7 @@ def test_trainer_state_round_trips_model_optimizer_and_round(tmp_path: Path) -> 
     trainer_state.save_trainer_state(tmp_path, model, optimizer, state)  # a second save replaces the first
 
     fresh = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
-    fresh_optimizer = training.make_inner_optimizer(fresh, InnerSettings(lr=1e-2))
+    fresh_optimizer = diloco_settings.make_inner_optimizer(fresh, InnerSettings(lr=1e-2))
     assert trainer_state.load_trainer_state(tmp_path, fresh, fresh_optimizer) == state
     for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
@@ -213,7 +214,7 @@ def test_a_snapshot_written_later_holds_the_state_of_when_it_was_taken(tmp_path:
     # Prepare: one step, the snapshot and what it must hold, then training goes on before the write.
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    optimizer = training.make_inner_optimizer(model, InnerSettings(lr=1e-2))
+    optimizer = diloco_settings.make_inner_optimizer(model, InnerSettings(lr=1e-2))
 
     def step() -> None:
         optimizer.zero_grad()
@@ -233,7 +234,7 @@ def test_a_snapshot_written_later_holds_the_state_of_when_it_was_taken(tmp_path:
 
     # Assert
     fresh = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    fresh_optimizer = training.make_inner_optimizer(fresh, InnerSettings(lr=1e-2))
+    fresh_optimizer = diloco_settings.make_inner_optimizer(fresh, InnerSettings(lr=1e-2))
     assert trainer_state.load_trainer_state(tmp_path, fresh, fresh_optimizer) == trainer_state.TrainerState(
         3, 8
     )
@@ -248,7 +249,7 @@ async def test_checkpoints_are_spaced_by_their_interval_and_the_last_round_is_al
 ) -> None:
     # Prepare: round boundaries 20 s apart against a 60 s interval, from the writer's start.
     model = nn.Linear(4, 2)
-    optimizer = training.make_inner_optimizer(model, InnerSettings(lr=1e-2))
+    optimizer = diloco_settings.make_inner_optimizer(model, InnerSettings(lr=1e-2))
     now = [1000.0]
     writer = CheckpointWriter(interval_s=60.0, clock=lambda: now[0])
 
@@ -259,7 +260,7 @@ async def test_checkpoints_are_spaced_by_their_interval_and_the_last_round_is_al
         await writer.settled()
         fresh = nn.Linear(4, 2)
         on_disk = trainer_state.load_trainer_state(
-            tmp_path, fresh, training.make_inner_optimizer(fresh, InnerSettings())
+            tmp_path, fresh, diloco_settings.make_inner_optimizer(fresh, InnerSettings())
         )
         assert written == (on_disk == state)
         return on_disk
@@ -292,11 +293,11 @@ def test_the_spec_reads_from_a_proto_or_its_json() -> None:
         diloco=common_pb2.DilocoJobSpec(rounds=7, delta_dtype=common_pb2.DELTA_DTYPE_BF16),
     )
     as_json = json_format.MessageToDict(job)
-    assert training.diloco_spec(job).rounds == 7
-    assert training.diloco_spec(as_json).rounds == 7
-    assert training.delta_wire_dtype(training.diloco_spec(as_json)) == "bf16"
+    assert diloco_settings.diloco_spec(job).rounds == 7
+    assert diloco_settings.diloco_spec(as_json).rounds == 7
+    assert diloco_settings.delta_wire_dtype(diloco_settings.diloco_spec(as_json)) == "bf16"
     with pytest.raises(InvalidArgumentError):
-        training.diloco_spec(common_pb2.JobSpec(task=common_pb2.TaskJobSpec(command="x")))
+        diloco_settings.diloco_spec(common_pb2.JobSpec(task=common_pb2.TaskJobSpec(command="x")))
 
 
 def test_unset_inner_settings_take_torch_defaults() -> None:
@@ -337,7 +338,7 @@ def test_a_clipped_step_moves_the_parameters_by_at_most_the_norm() -> None:
     for model, step_settings in ((clipped, settings), (unclipped, None)):
         before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        training.train_step(model, optimizer, ModelKind.TORCH, batch, step_settings)
+        inner_steps.train_step(model, optimizer, ModelKind.TORCH, batch, step_settings)
         after = torch.cat([p.detach().flatten() for p in model.parameters()])
         moved = float(torch.linalg.vector_norm(after - before))
         if model is clipped:
@@ -349,17 +350,17 @@ def test_a_clipped_step_moves_the_parameters_by_at_most_the_norm() -> None:
 def test_warmup_raises_the_rate_linearly_and_resumes_from_the_optimizer_state() -> None:
     settings, batch = InnerSettings(lr=0.4, warmup_steps=4), _linear_batch()
     model = _linear_model()
-    optimizer = training.make_inner_optimizer(model, settings)
+    optimizer = diloco_settings.make_inner_optimizer(model, settings)
     rates = []
     for _ in range(3):
-        training.train_step(model, optimizer, ModelKind.TORCH, batch, settings)
+        inner_steps.train_step(model, optimizer, ModelKind.TORCH, batch, settings)
         rates.append(optimizer.param_groups[0]["lr"])
     assert rates == pytest.approx([0.1, 0.2, 0.3])
 
     # A trainer restarted from its checkpoint: a fresh optimizer, the saved state loaded.
     resumed_model = _linear_model()
-    resumed = training.make_inner_optimizer(resumed_model, settings)
+    resumed = diloco_settings.make_inner_optimizer(resumed_model, settings)
     resumed.load_state_dict(optimizer.state_dict())
     for expected in (0.4, 0.4):
-        training.train_step(resumed_model, resumed, ModelKind.TORCH, batch, settings)
+        inner_steps.train_step(resumed_model, resumed, ModelKind.TORCH, batch, settings)
         assert resumed.param_groups[0]["lr"] == pytest.approx(expected)

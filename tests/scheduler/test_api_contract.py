@@ -26,11 +26,11 @@ from hypha.net.link import NodeLink
 from hypha.net.server import NodeServer
 from hypha.net.tls import TlsMaterial
 from hypha.scheduler.config import SchedulerSection
+from hypha.scheduler.diloco.round_planner import round_planners
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.market import SchedulerMarket
 from hypha.scheduler.metrics import SchedulerMetrics
 from hypha.scheduler.orchestrator import Orchestrator
-from hypha.scheduler.rounds import round_planners
 from hypha.scheduler.servicer import SchedulerServicer
 from hypha.scheduler.store import JobStore
 from hypha.testing.mesh import Mesh

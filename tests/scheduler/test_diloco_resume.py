@@ -1,5 +1,6 @@
-"""What a DiLoCo run saves for a scheduler restart survives JSON exactly, and the kept server state
-is found again on disk (the resume itself runs end to end in ``tests/e2e/test_scheduler_restart_e2e.py``)."""
+"""What a DiLoCo run saves for a scheduler restart survives JSON exactly, its slices saved bit by
+bit rebuild the tracker it had, and the kept server state is found again on disk (the resume
+itself runs end to end in ``tests/e2e/test_scheduler_restart_e2e.py``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ from pathlib import Path
 
 from hypha.market.allocator import HeldLease
 from hypha.market.resources import ExecutorKind, Requirements, Resources
-from hypha.scheduler.diloco_resume import lease_from_dict, lease_to_dict, load_kept
-from hypha.scheduler.ps_state import StateKeeper
+from hypha.scheduler.diloco.ps_state import StateKeeper
+from hypha.scheduler.diloco.resume import load_kept
+from hypha.scheduler.diloco.slice_tracker import SliceTracker
+from hypha.scheduler.diloco.snapshot import lease_from_dict, lease_to_dict, slices_from
+from hypha.scheduler.store import JobStore
+from hypha.v1 import scheduler_pb2
 from tests.scheduler.test_ps_state import _blob
+from tests.scheduler.test_replace_patience import _Market, running_job
 
 
 def test_a_saved_lease_comes_back_equal_with_its_worker_addresses_and_capacity() -> None:
@@ -44,3 +50,26 @@ def test_the_newest_kept_state_is_found_on_disk_by_a_new_process(tmp_path: Path)
     assert found is not None and found.round == 3
     assert found.sha256 == hashlib.sha256(_blob(3, b"\1" * 16)).hexdigest()
     assert load_kept(StateKeeper(tmp_path, "other")) is None
+
+
+async def test_the_slices_a_run_saves_change_by_change_rebuild_the_tracker_it_had(tmp_path: Path) -> None:
+    # Prepare: a running job of 50 slices on two trainers, saved once as it starts.
+    store = await JobStore.open(tmp_path / "scheduler.db")
+    try:
+        run, _, _ = await running_job(store, _Market(), tmp_path, patience_s=1.0)
+        run.state.tracker = tracker = SliceTracker(50)
+        await run.save()
+
+        # Execute: hand-outs into the second epoch, each request reporting the slice used before.
+        used: dict[str, list[int]] = {"t0": [], "t1": []}
+        for _ in range(40):
+            for worker in used:
+                reply = await run.next_slice(worker, scheduler_pb2.NextSliceRequest(used=used[worker]))
+                used[worker] = [reply.index] if reply.available else []
+        saved = await store.run_state(run.job_id)
+
+        # Assert: what the saves wrote, a row at a time, is the tracker as it is now.
+        assert tracker.epoch == 1 and saved is not None
+        assert SliceTracker.from_snapshot(slices_from(saved)).snapshot() == tracker.snapshot()
+    finally:
+        await store.close()

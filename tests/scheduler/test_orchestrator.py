@@ -20,13 +20,14 @@ from hypha.errors import (
     PermissionDeniedError,
     UnavailableError,
 )
-from hypha.scheduler import diloco_job, elastic
 from hypha.scheduler.config import SchedulerSection
 from hypha.scheduler.control_servicer import SchedulerControlServicer
-from hypha.scheduler.diloco_job import DilocoRun
+from hypha.scheduler.diloco import elastic
+from hypha.scheduler.diloco import run as diloco_run
+from hypha.scheduler.diloco.round_planner import round_planners
+from hypha.scheduler.diloco.run import DilocoRun
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.orchestrator import Orchestrator
-from hypha.scheduler.rounds import round_planners
 from hypha.scheduler.store import JobStore
 from hypha.v1 import common_pb2, scheduler_pb2
 from tests.conftest import Pki
@@ -175,7 +176,7 @@ async def test_a_job_is_traced_as_one_span(orchestrator: Orchestrator, store: Jo
     assert span.attributes["hypha.job_kind"] == "task"
 
 
-# ---- scaling (``ScaleJob``; ``hypha.scheduler.elastic``) ---------------------------------------
+# ---- scaling (``ScaleJob``; ``hypha.scheduler.diloco.elastic``) ---------------------------------------
 
 DILOCO = common_pb2.JobSpec(
     name="d", diloco=common_pb2.DilocoJobSpec(dataset="d", rounds=4, samples_per_round=64, num_workers=2)
@@ -205,12 +206,12 @@ async def test_a_scale_target_must_be_a_positive_count_within_the_cap_on_a_start
             elastic.check_target(run, bad)
     with pytest.raises(FailedPreconditionError, match="not running yet"):
         elastic.check_target(run, 3)  # no parameter server runs yet
-    run.planner, run.ps_started = round_planners()(DILOCO.diloco), True
+    run.state.planner, run.state.ps_started = round_planners()(DILOCO.diloco), True
     elastic.check_target(run, elastic.MAX_WORKERS)
-    assert run.target_workers == 2  # checking sets nothing
+    assert run.state.target_workers == 2  # checking sets nothing
 
 
-# ---- a job resumed after a restart (``hypha.scheduler.diloco_resume``) -----------------------
+# ---- a job resumed after a restart (``hypha.scheduler.diloco.resume``) -----------------------
 
 
 async def test_reports_on_a_job_being_resumed_ask_its_workers_not_yet_back_to_try_again(
@@ -231,8 +232,8 @@ async def test_reports_on_a_job_being_resumed_ask_its_workers_not_yet_back_to_tr
     async def save(run: DilocoRun) -> None:
         pass  # nothing real was rebuilt to save
 
-    monkeypatch.setattr(diloco_job, "resume", rebuild)
-    monkeypatch.setattr(DilocoRun, "_save", save)
+    monkeypatch.setattr(diloco_run, "resume", rebuild)
+    monkeypatch.setattr(DilocoRun, "save", save)
     orchestrator._launch(job)  # what ``start`` does with each job the store hands back
     run = orchestrator.runs.get(job.job_id)
     assert isinstance(run, DilocoRun) and run.resuming

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hypha.errors import DataLossError
-from hypha.scheduler.ps_state import PACKED_ROUND_KEY, StateKeeper, packed_round
+from hypha.scheduler.diloco.ps_state import PACKED_ROUND_KEY, StateKeeper, packed_round
 
 
 def _blob(round_: int | None, body: bytes = b"\0" * 16) -> bytes:

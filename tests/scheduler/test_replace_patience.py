@@ -23,11 +23,12 @@ from hypha.dht.records import ProviderRecord
 from hypha.market.allocator import HeldLease
 from hypha.market.resources import ExecutorKind, Requirements, Resources
 from hypha.scheduler.config import JobsSection, SchedulerSection
-from hypha.scheduler.diloco_job import DilocoRun
+from hypha.scheduler.diloco.round_planner import round_planners
+from hypha.scheduler.diloco.run import DilocoRun
+from hypha.scheduler.diloco.slice_tracker import SliceTracker
+from hypha.scheduler.diloco.trainers import add_trainer
 from hypha.scheduler.lifecycle import JobState
-from hypha.scheduler.rounds import round_planners
 from hypha.scheduler.runs import RunRegistry
-from hypha.scheduler.slices import SliceTracker
 from hypha.scheduler.store import JobStore
 from hypha.testing.polling import eventually
 from hypha.v1 import common_pb2, worker_pb2
@@ -130,16 +131,16 @@ async def running_job(
     await store.transition(job.job_id, JobState.ALLOCATING)
     await store.transition(job.job_id, JobState.RUNNING, workers=["ps0", "t0", "t1"])
     run = DilocoRun(job, runs, round_planners(), None, tmp_path)
-    run.ended = asyncio.get_running_loop().create_future()
-    run.tracker = SliceTracker(4)
-    run.planner = run.planners(SPEC.diloco)
-    run.ps = market.lease("ps0")
-    runs.track_lease(run, run.ps)
+    run.state.ended = asyncio.get_running_loop().create_future()
+    run.state.tracker = SliceTracker(4)
+    run.state.planner = run.planners(SPEC.diloco)
+    run.state.ps = market.lease("ps0")
+    runs.track_lease(run, run.state.ps)
     for worker in ("t0", "t1"):
         lease = market.lease(worker)
         runs.track_lease(run, lease)
-        run._add_trainer(lease, attempt=0, start_round=0)
-    run.ps_started = True
+        add_trainer(run, lease, attempt=0, start_round=0)
+    run.state.ps_started = True
     return run, runs, calls
 
 
@@ -159,10 +160,12 @@ async def test_a_lost_parameter_server_waits_for_a_free_worker_and_the_job_goes_
         lose(run, runs, "ps0")
         # Well past allocate_wait_s, and tried again more than once: still waiting, not failed.
         await eventually(lambda: market.tries >= 3, message="the market tried again")
-        assert not run.over
+        assert not run.state.over
         assert (await store.get(run.job_id)).state is JobState.ALLOCATING
         market.free.append("w9")  # a worker frees up (a job ended, a killed one came back)
-        await eventually(lambda: run.ps is not None and run.ps.worker_id == "w9", message="restored")
+        await eventually(
+            lambda: run.state.ps is not None and run.state.ps.worker_id == "w9", message="restored"
+        )
         await eventually(
             lambda: sorted(w for w, _, ps in calls.dispatched if ps == "w9") == ["t0", "t1"],
             message="trainers re-pointed at the new server",
@@ -172,7 +175,7 @@ async def test_a_lost_parameter_server_waits_for_a_free_worker_and_the_job_goes_
             lambda: _state_is(store, run.job_id, JobState.RUNNING), message="RUNNING again"
         )
         assert "w9" in job.workers
-        assert not run.over
+        assert not run.state.over
     finally:
         await runs.stop()
 
@@ -184,8 +187,8 @@ async def test_a_lost_parameter_server_with_no_worker_within_the_patience_fails_
     run, runs, _ = await running_job(store, market, tmp_path, patience_s=0.5)
     try:
         lose(run, runs, "ps0")
-        assert run.ended is not None
-        succeeded, message = await asyncio.wait_for(asyncio.shield(run.ended), 10)
+        assert run.state.ended is not None
+        succeeded, message = await asyncio.wait_for(asyncio.shield(run.state.ended), 10)
         assert not succeeded
         assert "parameter server ps0 lost" in message
         assert "no free worker within 0.5s" in message
@@ -202,14 +205,14 @@ async def test_a_lost_trainer_waits_for_a_free_worker_and_is_replaced(
     try:
         lose(run, runs, "t1")
         await eventually(lambda: market.tries >= 3, message="the market tried again")
-        assert not run.over and "t1" not in run.trainers
+        assert not run.state.over and "t1" not in run.state.trainers
         market.free.append("w9")
-        await eventually(lambda: "w9" in run.trainers, message="replacement trainer")
+        await eventually(lambda: "w9" in run.state.trainers, message="replacement trainer")
         await eventually(
             lambda: ("w9", int(common_pb2.EXECUTOR_KIND_DILOCO_TRAINER), "ps0") in calls.dispatched
         )
         await eventually(lambda: _state_is(store, run.job_id, JobState.RUNNING), message="RUNNING again")
-        assert not run.over
+        assert not run.state.over
     finally:
         await runs.stop()
 
@@ -222,12 +225,12 @@ async def test_a_job_that_ends_while_its_replacement_waits_takes_no_worker(
     try:
         lose(run, runs, "ps0")
         await eventually(lambda: market.tries >= 2, message="waiting for a worker")
-        run._end(False, "cancelled meanwhile")
+        run.state.end(False, "cancelled meanwhile")
         market.free.append("w9")
         await eventually(lambda: not market.free, message="the worker was leased")
         # Leased after the job ended: given straight back, never made its parameter server.
         await eventually(lambda: len(market.released) == 1, message="lease given back")
-        assert run.ps is not None and run.ps.worker_id == "ps0"
+        assert run.state.ps is not None and run.state.ps.worker_id == "ps0"
         assert not any(lease.worker_id == "w9" for lease in run.leases.values())
     finally:
         await runs.stop()
@@ -252,7 +255,7 @@ async def test_a_starting_job_short_of_workers_gives_back_what_it_got_and_waits_
     runs = RunRegistry(market, store, calls, SchedulerSection(jobs=jobs))  # type: ignore[arg-type]
     job = await store.create(SPEC)
     run = DilocoRun(job, runs, round_planners(), _Providers(), tmp_path)  # type: ignore[arg-type]
-    start = asyncio.create_task(run._start())
+    start = asyncio.create_task(run.start())
     try:
         queued = await eventually(lambda: _requeued(store, job.job_id), message="back in the queue")
         assert "could lease only 1 of 2 trainers" in queued.reason
@@ -263,7 +266,11 @@ async def test_a_starting_job_short_of_workers_gives_back_what_it_got_and_waits_
         market.free[:] = ["w0", "w1", "w2"]  # a job ended: three workers free
         await asyncio.wait_for(start, 10)
         assert (await store.get(job.job_id)).state is JobState.RUNNING
-        assert run.ps is not None and sorted([run.ps.worker_id, *run.trainers]) == ["w0", "w1", "w2"]
+        assert run.state.ps is not None and sorted([run.state.ps.worker_id, *run.state.trainers]) == [
+            "w0",
+            "w1",
+            "w2",
+        ]
         assert len(calls.dispatched) == 3
     finally:
         start.cancel()

@@ -9,7 +9,14 @@ from hypothesis import strategies as st
 from hypha.directives import DirectiveKind
 from hypha.errors import InvalidArgumentError
 from hypha.market.resources import Resources
-from hypha.scheduler.rounds import Directive, Planner, Progress, RoundPlanner, batch_size_for, round_planners
+from hypha.scheduler.diloco.round_planner import (
+    Directive,
+    Planner,
+    Progress,
+    RoundPlanner,
+    batch_size_for,
+    round_planners,
+)
 from hypha.testing.rounds_sim import EqualBatchPlanner, SimWorker, heterogeneous_workers, simulate
 from hypha.v1 import common_pb2
 

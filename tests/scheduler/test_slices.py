@@ -15,7 +15,7 @@ from hypha.errors import (
     InvalidArgumentError,
     OutOfRangeError,
 )
-from hypha.scheduler.slices import SliceSnapshot, SliceState, SliceTracker
+from hypha.scheduler.diloco.slice_tracker import SliceSnapshot, SliceState, SliceTracker
 
 A, S, U = SliceState.AVAILABLE, SliceState.ASSIGNED, SliceState.USED
 
@@ -218,6 +218,12 @@ def test_bad_arguments_are_refused() -> None:
             tracker.state(index)
 
 
+def _through_json(snap: SliceSnapshot) -> SliceSnapshot:
+    """``snap`` as the store gives it back: JSON, row keys as strings."""
+    header, rows = json.loads(json.dumps([snap.header, {str(i): r for i, r in snap.rows.items()}]))
+    return SliceSnapshot(header, {int(i): r for i, r in rows.items()})
+
+
 def test_snapshot_restores_an_equivalent_tracker() -> None:
     # Prepare
     tracker = SliceTracker(6, prefetch=2, steal=True)
@@ -229,30 +235,52 @@ def test_snapshot_restores_an_equivalent_tracker() -> None:
 
     # Execute
     snap = tracker.snapshot()
-    restored = SliceTracker.from_snapshot(SliceSnapshot.from_dict(json.loads(json.dumps(snap.to_dict()))))
+    restored = SliceTracker.from_snapshot(_through_json(snap))
 
     # Assert
     assert restored.snapshot() == snap
     assert [restored.next_slice(w) for w in ("a", "c")] == [tracker.next_slice(w) for w in ("a", "c")]
 
 
+def test_changes_hold_only_what_moved_and_a_lost_save_is_taken_again() -> None:
+    # Prepare: a tracker whose first (full) changes were saved.
+    tracker = SliceTracker(1000)
+    assert tracker.take_changes().full
+    first = tracker.next_slice("w")
+    assert first is not None
+
+    # Execute / Assert: a hand-out changes the header only; a USED report one row.
+    handed = tracker.take_changes()
+    assert not handed.full and handed.rows == {} and handed.header["held"] == {"w": [first]}
+    tracker.mark_used("w", first)
+    used = tracker.take_changes()
+    assert used.rows == {first: ("w", 0)}
+    tracker.changes_lost(used)  # its save failed: the next changes carry it again
+    assert tracker.take_changes().rows == {first: ("w", 0)}
+    assert tracker.take_changes().rows == {}
+
+
 @pytest.mark.parametrize(
     "edit",
     [
-        pytest.param(lambda d: d["states"].pop(), id="short-states"),
-        pytest.param(lambda d: d["held"].update(x=[0]), id="held-twice"),
-        pytest.param(lambda d: d["states"].__setitem__(5, "assigned"), id="assigned-but-unheld"),
-        pytest.param(lambda d: d.update(states=["used"] * 6, held={}), id="finished-epoch"),
-        pytest.param(lambda d: d.update(states="nonsense"), id="garbage"),
+        pytest.param(lambda h, r: h["held"].update(x=[0]), id="held-twice"),
+        pytest.param(lambda h, r: h["held"].update(x=[1, 2, 3]), id="over-prefetch"),
+        pytest.param(lambda h, r: r.update({0: ["w", 0]}), id="used-but-held"),
+        pytest.param(lambda h, r: r.update({6: ["w", -1]}), id="row-out-of-range"),
+        pytest.param(
+            lambda h, r: (h.update(held={}), r.update({i: ["w", 0] for i in range(6)})), id="done-epoch"
+        ),
+        pytest.param(lambda h, r: h.update(held="nonsense"), id="garbage"),
     ],
 )
 def test_inconsistent_snapshot_is_refused(edit: object) -> None:
     tracker = SliceTracker(6)
     tracker.next_slice("w")
-    body = tracker.snapshot().to_dict()
-    edit(body)  # type: ignore[operator]
+    snap = _through_json(tracker.snapshot())
+    rows = dict(snap.rows)
+    edit(snap.header, rows)  # type: ignore[operator]
     with pytest.raises(InvalidArgumentError):
-        SliceTracker.from_snapshot(SliceSnapshot.from_dict(body))
+        SliceTracker.from_snapshot(SliceSnapshot(snap.header, rows))
 
 
 # ---- property: random joins, losses and speeds --------------------------------
@@ -286,6 +314,7 @@ def test_every_slice_is_used_exactly_once_per_epoch(
     slice_count: int, prefetch: int, steal: bool, ops: list[tuple[str, int]]
 ) -> None:
     tracker = SliceTracker(slice_count, prefetch=prefetch, steal=steal)
+    saved_rows: dict[int, tuple[str | None, int]] = {}  # what the restores have saved so far
     model = _Model()
 
     def use(worker: str) -> None:
@@ -345,8 +374,11 @@ def test_every_slice_is_used_exactly_once_per_epoch(
         elif op == "release" and model.held.get(worker):
             tracker.release(worker, model.held[worker].pop())
         elif op == "restore":
-            body = json.loads(json.dumps(tracker.snapshot().to_dict()))
-            tracker = SliceTracker.from_snapshot(SliceSnapshot.from_dict(body))
+            # Rebuilt from what its changes saved, as a restarted scheduler does.
+            changes = tracker.take_changes()
+            saved_rows = {} if changes.full else saved_rows
+            saved_rows.update(changes.rows)
+            tracker = SliceTracker.from_snapshot(_through_json(SliceSnapshot(changes.header, saved_rows)))
         # Invariants after every step.
         assert tracker.workers == frozenset(model.held)
         for w, h in model.held.items():

@@ -24,6 +24,7 @@ from hypha.scheduler.records import MetricRecord
 from hypha.scheduler.servicer import SchedulerServicer
 from hypha.scheduler.status_page import StatusPage, curves
 from hypha.scheduler.store import JobStore
+from hypha.v1 import common_pb2, scheduler_pb2
 from tests.scheduler.test_servicer import DILOCO_TOML, FakeOrchestrator
 
 CHROMIUM = "/usr/bin/chromium"
@@ -91,11 +92,20 @@ async def test_a_running_jobs_round_advances_on_the_page(
     browser: Any, page: StatusPage, tmp_path: Path
 ) -> None:
     store = page.api.store
+    peer_id = "k7w2c9q4x8v1m3n5b6z0a2s4d6f8g0h1"  # 32 characters, as a real peer id
+    page.api.orchestrator.views = [  # type: ignore[attr-defined]
+        scheduler_pb2.WorkerView(
+            peer=common_pb2.PeerInfo(peer_id=peer_id, role=common_pb2.ROLE_WORKER, name="trainer-a"),
+            capacity=common_pb2.Resources(cpu=4, memory_gb=8),
+            healthy=True,
+            samples_per_second=12.5,
+        )
+    ]
     job = await store.create(parse_job_toml(DILOCO_TOML), submitted_by="client")
     await store.transition(job.job_id, JobState.ALLOCATING)
-    await store.transition(job.job_id, JobState.RUNNING, workers=["worker-1"])
+    await store.transition(job.job_id, JobState.RUNNING, workers=[peer_id])
     await store.update(job.job_id, round=1, loss=2.5)
-    await store.record_metrics(job.job_id, 0, {"loss": 2.5, "accuracy": 0.1}, "worker-1")
+    await store.record_metrics(job.job_id, 0, {"loss": 2.5, "accuracy": 0.1}, peer_id)
 
     await asyncio.to_thread(browser.get, page.url)
     row = f'tr[data-job-id="{job.job_id}"]'
@@ -103,12 +113,27 @@ async def test_a_running_jobs_round_advances_on_the_page(
     await on_screen(browser, f"{row} .state", "running")
 
     await store.update(job.job_id, round=2, loss=1.25)
-    await store.record_metrics(job.job_id, 1, {"loss": 1.25, "accuracy": 0.6}, "worker-1")
+    figures = {"loss": 1.25, "accuracy": 0.6, "tensor_bytes_pulled": 15147706.0, "missing": 0.0}
+    await store.record_metrics(job.job_id, 1, figures, peer_id)
+    await store.record_metrics(
+        job.job_id, 1, {"samples_per_second": 1234.5678, "sync_idle_seconds": 0.25}, peer_id
+    )
 
     await on_screen(browser, f"{row} .round", "2 / 4")
     await on_screen(browser, f"{row} .loss", "1.2500")
-    await on_screen(browser, f'{row} [data-metric="accuracy"] text', "accuracy 0.6000")
-    await on_screen(browser, '#workers tr[data-worker-id="worker-1"] .throughput', "12.5")
+    # Units and readable numbers, the job's accuracy in its row, workers by name.
+    await on_screen(browser, f'{row} [data-metric="accuracy"] text', "accuracy 60 %")
+    await on_screen(browser, f"{row} .accuracy", "60 %")
+    await on_screen(browser, f'{row} [data-metric="tensor_bytes_pulled"] text', "pulled 15.1 MB")
+    await on_screen(browser, f'{row} [data-metric="samples_per_second"] text', "throughput 1,235 samples/s")
+    await on_screen(browser, f'{row} [data-metric="sync_idle_seconds"] text', "sync idle 0.25 s")
+    await on_screen(browser, f"{row} .workers", "trainer-a")
+    await on_screen(browser, f'#workers tr[data-worker-id="{peer_id}"] .name', "trainer-a")
+    await on_screen(browser, f'#workers tr[data-worker-id="{peer_id}"] .throughput', "12.5")
+    assert not await asyncio.to_thread(
+        browser.find_elements, "css selector", f'{row} [data-metric="missing"]'
+    )
+    assert peer_id not in await asyncio.to_thread(lambda: browser.find_element("tag name", "body").text)
     shot = tmp_path / "status-page.png"
     assert await asyncio.to_thread(browser.save_screenshot, str(shot))
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -253,6 +253,22 @@ def test_recovery_after_a_crash_keeps_history_and_settles_running_jobs(tmp_path:
     assert again.failed == [] and again.requeued == []  # recovering twice settles nothing more
 
 
+def test_a_running_inference_job_fails_on_restart_for_its_own_kinds_reason(store: SqliteJobStore) -> None:
+    # Prepare: a running inference job, and a hook that would resume anything.
+    spec = parse_job_toml(
+        '[job]\nkind = "inference"\ninputs = [{ prompt = "hi" }]\n[job.model]\nlocal_path = "/m"'
+    )
+    job_id = _running(store, spec)
+
+    # Execute
+    report = recover(store, resumable=lambda job: True)
+
+    # Assert: inference jobs are never resumed, and the reason says so (not "DiLoCo jobs ...").
+    failed = store.get(job_id)
+    assert [j.job_id for j in report.failed] == [job_id] and failed.state is F
+    assert "inference jobs are not resumed" in failed.reason and "DiLoCo" not in failed.reason
+
+
 def test_a_diloco_job_that_saved_its_run_state_resumes_after_a_restart(tmp_path: Path) -> None:
     # Prepare: two running DiLoCo jobs, one whose run saved its state; a finished one that had;
     # one still leasing its first workers.
@@ -340,3 +356,25 @@ async def test_a_closed_store_answers_try_again_as_its_scheduler_stops(tmp_path:
         await store.find(job.job_id)
     with pytest.raises(FailedPreconditionError):
         await store.start()  # a closed store is not opened again
+
+
+def test_a_run_state_is_saved_in_parts_and_only_the_parts_given_are_written(tmp_path: Path) -> None:
+    # Prepare: a running job whose run saved three parts.
+    store = SqliteJobStore(tmp_path / "scheduler.db")
+    job = store.create(DILOCO, "c")
+    store.transition(job.job_id, A)
+    store.transition(job.job_id, R)
+    assert store.save_run_state(job.job_id, {"version": 2, "slices": {"epoch": 0}, "slice/3": ["w", 0]})
+
+    # Execute / Assert: a later save of one part leaves the others as they were...
+    assert store.save_run_state(job.job_id, {"slice/7": ["v", 0]})
+    assert store.run_state(job.job_id) == {
+        "version": 2,
+        "slices": {"epoch": 0},
+        "slice/3": ["w", 0],
+        "slice/7": ["v", 0],
+    }
+    # ...and one that replaces drops every part it does not give.
+    assert store.save_run_state(job.job_id, {"version": 2}, replace=True)
+    assert store.run_state(job.job_id) == {"version": 2}
+    store.close()

@@ -25,7 +25,7 @@ import grpc
 import pytest
 
 from hypha.market.allocator import HeldLease
-from hypha.scheduler.diloco_job import DilocoRun
+from hypha.scheduler.diloco.run import DilocoRun
 from hypha.scheduler.runs import RunRegistry
 from hypha.scheduler.store import JobStore
 from hypha.testing.polling import eventually
@@ -94,7 +94,7 @@ async def test_parts_lost_together_never_end_up_on_one_worker(
     run, runs, _ = await running_job(store, market, tmp_path, patience_s=20.0)
 
     def parts() -> list[str]:
-        return sorted([run.ps.worker_id if run.ps else "", *run.trainers])
+        return sorted([run.state.ps.worker_id if run.state.ps else "", *run.state.trainers])
 
     try:
         # Execute: both parts are lost at once; both paths that replace them are offered w9.
@@ -103,11 +103,11 @@ async def test_parts_lost_together_never_end_up_on_one_worker(
         # Assert: one takes w9; the other gives its w9 lease back and waits for another worker.
         await eventually(lambda: "w9" in parts(), message="one part on w9")
         await eventually(lambda: market.released_on("w9") == 1, message="the second w9 lease given back")
-        assert parts().count("w9") == 1 and not run.over
+        assert parts().count("w9") == 1 and not run.state.over
         market.free.append("w8")  # another worker frees up
         await eventually(lambda: parts() == after, message="both parts back")
         assert sorted(lease.worker_id for lease in run.leases.values()) == after  # none leaked
-        assert run.replacements_used == 2
+        assert run.state.replacements_used == 2
     finally:
         await runs.stop()
 
@@ -126,9 +126,9 @@ async def test_a_late_final_report_of_a_replaced_trainer_leaves_its_replacement_
         lose(run, runs, "t1")
         await eventually(lambda: market.tries >= 1, message="the replacement asks the market")
         market.free.append("t1")
-        await eventually(lambda: "t1" in run.trainers, message="t1 replaced by itself")
+        await eventually(lambda: "t1" in run.state.trainers, message="t1 replaced by itself")
         await eventually(lambda: not replacing(), message="the replacement done")
-        replacement = run.trainers["t1"]
+        replacement = run.state.trainers["t1"]
         assert replacement.attempt != 0  # the first execution's attempt
 
         # Execute: the first execution's FAILED report arrives late (its worker kept retrying it).
@@ -142,11 +142,11 @@ async def test_a_late_final_report_of_a_replaced_trainer_leaves_its_replacement_
         # Assert: the replacement trains on (nothing set out to replace it); its own failure is
         # what replaces it.
         assert not replacing()
-        assert run.trainers["t1"] is replacement and run.replacements_used == 1
+        assert run.state.trainers["t1"] is replacement and run.state.replacements_used == 1
         market.free.append("w9")
         run.on_status("t1", failed(replacement.attempt))
-        await eventually(lambda: "w9" in run.trainers, message="the failed replacement replaced")
-        assert run.replacements_used == 2
+        await eventually(lambda: "w9" in run.state.trainers, message="the failed replacement replaced")
+        assert run.state.replacements_used == 2
     finally:
         await runs.stop()
 
@@ -199,6 +199,6 @@ async def test_a_trainer_replaced_on_a_worker_still_winding_down_its_failed_one_
         trainer = int(common_pb2.EXECUTOR_KIND_DILOCO_TRAINER)
         await eventually(lambda: ("t1", trainer, "ps0") in calls.dispatched, message="dispatched")
         assert calls.winding_down["t1"] == 0 and calls.cancelled.count("t1") >= 2
-        assert not run.over and run.trainers["t1"].attempt != 0
+        assert not run.state.over and run.state.trainers["t1"].attempt != 0
     finally:
         await runs.stop()

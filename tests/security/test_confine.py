@@ -210,7 +210,7 @@ def test_a_ruleset_the_kernel_refuses_runs_nothing(tmp_path: Path) -> None:
 
 def test_our_executors_make_themselves_non_dumpable() -> None:
     code = (
-        "import ctypes; from hypha.worker.executors.diloco_trainer import configure_process;"
+        "import ctypes; from hypha.worker.executors.process import configure_process;"
         "configure_process(); print(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))"  # PR_GET_DUMPABLE
     )
 

@@ -19,7 +19,7 @@ from hypha.errors import (
     UnavailableError,
 )
 from hypha.market.resources import ExecutorKind
-from hypha.v1 import common_pb2, worker_pb2
+from hypha.v1 import common_pb2, scheduler_pb2, worker_pb2
 from hypha.worker.execution_state import TRANSITIONS, ExecutionRecord, ExecutionState, JobDispatch, StopCause
 from hypha.worker.gpu_slots import GpuSlots
 from hypha.worker.job_manager import JobManager
@@ -295,6 +295,25 @@ async def test_cleanup_on_success_removes_the_work_dir_and_keeps_the_result(
     assert kept.is_relative_to(tmp_path / "work" / "results")
     assert manager.result_of("good") == (kept, "scheduler-1")
     assert manager.result_of("bad") is not None  # a failed job's named result is kept too
+
+
+async def test_a_failing_cleanup_step_skips_neither_the_final_report_nor_the_work_dir(
+    tmp_path: Path, link: FakeSchedulerLink, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with _manager(tmp_path, link, cleanup="always") as manager:
+
+        def broken(owner: object) -> None:
+            raise RuntimeError("GPU bookkeeping broke")
+
+        monkeypatch.setattr(manager.gpus, "release", broken)  # the first cleanup step
+        await manager.dispatch(python_task("broken-cleanup", "pass"))
+        record = await manager.wait("broken-cleanup", 15)
+
+    assert record.state is ExecutionState.SUCCEEDED
+    final = [s for s in link.statuses if s.state == scheduler_pb2.EXECUTION_STATE_REPORT_SUCCEEDED]
+    assert len(final) == 1 and final[0].job_id == "broken-cleanup"
+    assert link.closed
+    assert not (tmp_path / "work" / "jobs" / "broken-cleanup.task").exists()
 
 
 async def test_stop_cancels_running_jobs_and_refuses_new_ones(

@@ -92,26 +92,14 @@ from hypha.jobfile.common import (
     RESOURCE_FIELDS,
     RESOURCE_TYPES,
     Defaults,
-    resources_key,
 )
-from hypha.jobfile.diloco import (
-    DELTA_DTYPES,
-    MAX_STREAMING_FRAGMENTS,
-    MIN_DELTA_TOPK,
-    check_diloco,
-    diloco_defaults,
-    diloco_key,
-    diloco_table,
-)
-from hypha.jobfile.inference import check_inference, inference_defaults, inference_table
+from hypha.jobfile.diloco import DELTA_DTYPES, MAX_STREAMING_FRAGMENTS, MIN_DELTA_TOPK
+from hypha.jobfile.kinds import JOB_KINDS, KINDS, JobKind, infer_kind, kind_of
 from hypha.jobfile.table import MAX_INTEGER, Table, bad
-from hypha.jobfile.task import check_task, task_defaults, task_table
 from hypha.v1 import common_pb2
 
 #: Largest job file accepted, in bytes (a job file is configuration, not data).
 MAX_JOB_FILE_BYTES = 256 * 1024
-
-KINDS = ("diloco", "task", "inference")
 
 
 def parse_job_toml(text: str) -> common_pb2.JobSpec:
@@ -144,25 +132,16 @@ def parse_job_table(data: Any, path: str = "job", *, kind: str | None = None) ->
     declared = _declared_kind(table)
     if kind is not None and declared and declared != kind:
         raise bad(table.key("kind"), f"must be {kind!r} here")
-    kind = kind or declared or _infer_kind(table)
-    if kind not in KINDS:
-        raise bad(table.key("kind"), f"unknown job kind {kind!r} (valid: {', '.join(KINDS)})")
+    entry = JOB_KINDS.get(kind or declared) if kind or declared else _infer_kind(table)
+    if entry is None:
+        raise bad(table.key("kind"), f"unknown job kind {kind or declared!r} (valid: {', '.join(KINDS)})")
     name = table.string("name")
     if len(name) > 128:
         raise bad(table.key("name"), "longer than 128 characters")
     spec = common_pb2.JobSpec(name=name)
-    if kind == "diloco":
-        spec.diloco.CopyFrom(diloco_table(table))
-        table.done()
-        check_diloco(spec.diloco, diloco_key(path))
-    elif kind == "inference":
-        spec.inference.CopyFrom(inference_table(table))
-        table.done()
-        check_inference(spec.inference, resources_key(path))
-    else:
-        spec.task.CopyFrom(task_table(table))
-        table.done()
-        check_task(spec.task, resources_key(path))
+    entry.read(table, spec)
+    table.done()
+    entry.check(spec, entry.file_key(path))
     return spec
 
 
@@ -172,23 +151,12 @@ def normalize_spec(spec: common_pb2.JobSpec, path: str = "spec") -> common_pb2.J
     out.CopyFrom(spec)
     if len(out.name) > 128:
         raise bad(f"{path}.name", "longer than 128 characters")
-    which = out.WhichOneof("kind")
-    if which == "diloco":
-        diloco_defaults(out.diloco)
-        check_diloco(out.diloco, lambda field: f"{path}.diloco.{field}")
-    elif which == "task":
-        task_defaults(out.task)
-        check_task(out.task, lambda field: f"{path}.task.{field}")
-    elif which == "inference":
-        inference_defaults(out.inference)
-        check_inference(out.inference, lambda field: f"{path}.inference.{field}")
-    else:
-        raise bad(f"{path}.kind", "missing: set diloco, task or inference")
+    entry = kind_of(out)
+    if entry is None:
+        raise bad(f"{path}.kind", f"missing: set {', '.join(KINDS[:-1])} or {KINDS[-1]}")
+    entry.defaults(out)
+    entry.check(out, lambda field: f"{path}.{entry.name}.{field}")
     return out
-
-
-def job_kind(spec: common_pb2.JobSpec) -> str:
-    return spec.WhichOneof("kind") or ""
 
 
 def _declared_kind(table: Table) -> str:
@@ -206,14 +174,11 @@ def _declared_kind(table: Table) -> str:
     return ""
 
 
-def _infer_kind(table: Table) -> str:
-    if table.has("command"):
-        return "task"
-    if table.has("model_job") or table.has("inputs"):
-        return "inference"
-    if table.has("model") or table.has("dataset"):
-        return "diloco"
-    raise bad(table.key("kind"), 'missing: set kind = "diloco", "task" or "inference"')
+def _infer_kind(table: Table) -> JobKind:
+    entry = infer_kind(table)
+    if entry is None:
+        raise bad(table.key("kind"), 'missing: set kind = "diloco", "task" or "inference"')
+    return entry
 
 
 __all__ = [
@@ -228,7 +193,6 @@ __all__ = [
     "RESOURCE_FIELDS",
     "RESOURCE_TYPES",
     "Defaults",
-    "job_kind",
     "normalize_spec",
     "parse_job_document",
     "parse_job_table",

@@ -21,18 +21,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hypha.pki import certs
 
+#: The command-line module of each role a cluster runs (``python -m MODULE``): the client starts
+#: the other roles as processes and never imports them.
 ROLE_MODULES = {
     "gateway": "hypha.gateway.cli",
     "scheduler": "hypha.scheduler.cli",
     "worker": "hypha.worker.cli",
     "data": "hypha.data.cli",
 }
+#: How long one role's ``init`` may take (an interpreter start and the role's settings module).
+INIT_TIMEOUT_S = 60.0
 DEFAULT_STATE_DIR = Path(os.environ.get("HYPHA_STATE_DIR", ".hypha"))
 
 
@@ -118,14 +124,37 @@ class Cluster:
         return self.state_dir / "config" / f"{name}.toml"
 
     def ensure_config(self, name: str, role: str) -> Path:
-        path = self.config_path(name)
-        if not path.exists():
+        """``name``'s config, written by its role's own ``init`` on first use."""
+        self.ensure_configs([(name, role)])
+        return self.config_path(name)
+
+    def ensure_configs(self, nodes: list[tuple[str, str]]) -> None:
+        """Write the configs of ``nodes`` (name, role) not written yet, each by its role's ``init``.
+
+        Each role's command runs as its own process (``python -m hypha.<role>.cli init``),
+        as ``hypha up`` runs the nodes: the client never imports another role. They run
+        side by side: a first ``hypha up`` waits for the slowest one, not for their sum.
+        """
+        started = []
+        for name, role in nodes:
+            path = self.config_path(name)
+            if path.exists():
+                continue
             path.parent.mkdir(parents=True, exist_ok=True)
-            module = __import__(ROLE_MODULES[role], fromlist=["main"])
-            code = module.main(["init", "--name", name, "--certs", str(self.pki_dir), "--out", str(path)])
-            if code != 0:
-                raise RuntimeError(f"could not write the config of {name}")
-        return path
+            argv = [*role_command(role), "init", "--name", name, "--certs", str(self.pki_dir)]
+            argv += ["--out", str(path)]
+            started.append((name, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)))
+        failed = []
+        for name, proc in started:
+            try:
+                said, _ = proc.communicate(timeout=INIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                said, _ = proc.communicate()
+            if proc.returncode != 0:
+                failed.append(f"{name}: {said.decode(errors='replace').strip() or f'exit {proc.returncode}'}")
+        if failed:
+            raise RuntimeError(f"could not write the config of {'; '.join(failed)}")
 
     # ---- running -----------------------------------------------------------
 
@@ -166,6 +195,15 @@ class Cluster:
             ):
                 live[str(name)] = as_int(info.get("pid"))
         return live
+
+
+def role_command(role: str) -> list[str]:
+    """The command line that runs ``role``'s CLI with this interpreter.
+
+    ``-P``: the current dir (where keys may lie) is no import path, so no
+    Landlock sandbox grants it.
+    """
+    return [sys.executable, "-P", "-m", ROLE_MODULES[role]]
 
 
 def as_int(value: Any) -> int:

@@ -41,6 +41,7 @@ from hypha.client.cluster import Cluster
 from hypha.client.follow import TERMINAL, follow_job
 from hypha.client.plot import training_plot
 from hypha.client.supervisor import stop_process
+from hypha.client.worker_names import WorkerNames
 from hypha.errors import HyphaError
 from hypha.filestream import receive_files
 from hypha.net.channel import secure_channel
@@ -264,7 +265,9 @@ async def run_job(
         t0 = time.monotonic()
         job = await submit_when_announced(stub, job_toml(model_dir, rounds, inner_steps), view)
         run.job_id = job.job_id
-        run.names = view.names = node_names(cluster) if cluster is not None else await worker_names(stub)
+        names = WorkerNames(stub, node_names(cluster) if cluster is not None else {})
+        await names.learn([])
+        run.names = view.names = names.known
         view.submitted(job.job_id, rounds)
         stop = asyncio.Event()
         collector = None
@@ -275,6 +278,7 @@ async def run_job(
         try:
             async for event in follow_job(stub, run.job_id, on_lost=view.note):
                 job = event.job
+                await names.learn([w.worker_id for w in event.workers])
                 view.event(job.round, job.loss, [(w.worker_id, w.samples_per_second) for w in event.workers])
                 if job.state in TERMINAL:
                     break
@@ -316,12 +320,6 @@ async def submit_when_announced(
                 view.note("waiting for the data node to announce the dataset ...")
                 told = True
             await asyncio.sleep(1.0)  # polling the scheduler with a deadline
-
-
-async def worker_names(stub: scheduler_pb2_grpc.SchedulerStub) -> dict[str, str]:
-    """Peer id -> certificate name of the workers the scheduler knows (a cluster not started here)."""
-    listed = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=10)
-    return {view.peer.peer_id: view.peer.name or view.peer.peer_id[:8] for view in listed.workers}
 
 
 def node_names(cluster: Cluster) -> dict[str, str]:

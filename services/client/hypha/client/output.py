@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from google.protobuf import json_format
@@ -22,6 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 from rich.text import Text
 
+from hypha.client.worker_names import shown
+from hypha.jobfile.kinds import kind_of
 from hypha.jobview import job_json as job_dict
 from hypha.jobview import state_name
 from hypha.timestamps import timestamp_iso8601, to_seconds
@@ -50,8 +52,14 @@ def age(ts: Timestamp) -> str:
     return f"{int(seconds)}s"
 
 
+def in_rounds(job: scheduler_pb2.Job) -> bool:
+    """Whether the job's progress is rounds of trainers (its kind says: ``JobKind.in_rounds``)."""
+    kind = kind_of(job.spec)
+    return kind is not None and kind.in_rounds
+
+
 def progress_text(job: scheduler_pb2.Job) -> str:
-    if job.spec.WhichOneof("kind") == "diloco":
+    if in_rounds(job):
         text = f"{job.round}/{job.rounds}"
         return f"{text} loss {job.loss:.4f}" if job.loss else text
     if job.attempt:
@@ -93,7 +101,8 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], out: Cons
         print(plain_table(headers, rows), flush=True)
 
 
-def print_job(job: scheduler_pb2.Job) -> None:
+def print_job(job: scheduler_pb2.Job, names: Mapping[str, str] | None = None) -> None:
+    """``hypha status``; ``names`` (peer id -> name) shows the workers by name."""
     d = job_dict(job)
     print(f"job       {d['job_id']}  ({d['kind']}{' ' + repr(d['name']) if d['name'] else ''})")
     print(f"state     {d['state']}{': ' + d['reason'] if d['reason'] else ''}")
@@ -101,7 +110,7 @@ def print_job(job: scheduler_pb2.Job) -> None:
     if progress:
         print(f"progress  {progress}")
     if d["workers"]:
-        print(f"workers   {', '.join(d['workers'])}")
+        print(f"workers   {', '.join(shown(names, w) for w in d['workers'])}")
     print(f"submitted {d['created_at']} by {d['submitted_by'] or '?'}; updated {d['updated_at']}")
 
 
@@ -197,9 +206,8 @@ def event_dict(event: scheduler_pb2.JobEvent) -> dict[str, Any]:
 def event_line(event: scheduler_pb2.JobEvent) -> str:
     """A watch event as one plain line (pipes, logs)."""
     job = event.job
-    kind = job.spec.WhichOneof("kind")
     parts = [f"{timestamp_iso8601(event.at)} job {job.job_id} {state_name(job.state)}"]
-    if kind == "diloco":
+    if in_rounds(job):
         parts.append(f"round {job.round}/{job.rounds}")
         if job.loss:
             parts.append(f"loss {job.loss:.4f}")
@@ -212,7 +220,7 @@ def event_line(event: scheduler_pb2.JobEvent) -> str:
     return f"{line}: {event.message}" if event.message else line
 
 
-def event_view(event: scheduler_pb2.JobEvent) -> RenderableType:
+def event_view(event: scheduler_pb2.JobEvent, names: Mapping[str, str] | None = None) -> RenderableType:
     """A watch event for a terminal: the job's state, a round progress bar, a row per worker."""
     job = event.job
     kind = job.spec.WhichOneof("kind")
@@ -222,7 +230,7 @@ def event_view(event: scheduler_pb2.JobEvent) -> RenderableType:
             (f"job {job.job_id}", "bold"), f" ({kind}{name})  ", (state_name(job.state).upper(), "cyan")
         )
     ]
-    if kind == "diloco":
+    if in_rounds(job):
         bar = Progress(
             TextColumn("rounds"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}")
         )
@@ -236,7 +244,7 @@ def event_view(event: scheduler_pb2.JobEvent) -> RenderableType:
                 table.add_column(header, justify="left" if header == "WORKER" else "right")
             for w in event.workers:
                 table.add_row(
-                    w.worker_id[:16],
+                    shown(names, w.worker_id),
                     f"{w.samples_per_second:.1f}",
                     str(w.samples),
                     str(w.batch_size),

@@ -29,10 +29,11 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
-from hypha.client.cluster import ROLE_MODULES, Cluster, alive, as_int, process_start
+from hypha.client.cluster import Cluster, alive, as_int, process_start, role_command
 from hypha.fsutil import write_atomic
 
 READY_TIMEOUT_S = 60.0
@@ -42,15 +43,16 @@ RESTART_LIMIT = 5
 RESTART_WINDOW_S = 60.0
 
 
-def _has_key(role: str, key: str) -> bool:
-    """Whether the role's own config section has ``key``."""
-    module = __import__(ROLE_MODULES[role].replace(".cli", ".config"), fromlist=["*"])
-    for value in vars(module).values():
-        fields = getattr(value, "model_fields", {})
-        if role in fields:
-            section = fields[role].annotation
-            return key in getattr(section, "model_fields", {})
-    return False
+def _has_key(config: Path, role: str, key: str) -> bool:
+    """Whether the role's own section of ``config`` has ``key``.
+
+    Read from the file the role's ``init`` wrote (every key of its settings,
+    the unset optional ones commented out), not from the role's settings
+    class: the client does not import other roles.
+    """
+    with config.open("rb") as file:
+        section = tomllib.load(file).get(role)
+    return isinstance(section, dict) and key in section
 
 
 class Supervisor:
@@ -75,11 +77,7 @@ class Supervisor:
         ready.unlink(missing_ok=True)
         argv = [
             *cluster.launchers.get(name, []),
-            sys.executable,
-            # -P: the current dir (where keys may lie) is no import path, so no Landlock sandbox grants it.
-            "-P",
-            "-m",
-            ROLE_MODULES[role],
+            *role_command(role),
             "run",
             "--config",
             str(config),
@@ -107,6 +105,7 @@ class Supervisor:
     def start_all(self) -> None:
         cluster = self.cluster
         cluster.ensure_pki()
+        cluster.ensure_configs(cluster.node_names())
         cluster.data_dir.mkdir(parents=True, exist_ok=True)
         cluster.models_dir.mkdir(parents=True, exist_ok=True)
         gw0 = self.start_node("gw0", "gateway", [])
@@ -131,7 +130,7 @@ class Supervisor:
         )
         for name, role in cluster.node_names()[3:]:
             overrides = [f"net.gateways={gateways}"]
-            if _has_key(role, "dht_bootstrap"):
+            if _has_key(cluster.config_path(name), role, "dht_bootstrap"):
                 overrides.append(f"{role}.dht_bootstrap={dht}")
             if role == "worker":
                 # All workers share this machine: split its cores, and let jobs use models

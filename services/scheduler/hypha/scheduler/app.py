@@ -34,12 +34,12 @@ from hypha.net.tls import TlsMaterial
 from hypha.node import Node
 from hypha.scheduler.config import SchedulerSettings
 from hypha.scheduler.control_servicer import SchedulerControlServicer
+from hypha.scheduler.diloco.round_planner import round_planners
 from hypha.scheduler.market import SchedulerMarket
 from hypha.scheduler.metrics import SchedulerMetrics, StatusBridge
 from hypha.scheduler.orchestrator import Orchestrator
 from hypha.scheduler.providers import DatasetProviders
 from hypha.scheduler.rest import RestServer
-from hypha.scheduler.rounds import round_planners
 from hypha.scheduler.servicer import SchedulerServicer
 from hypha.scheduler.status_page import StatusPage
 from hypha.scheduler.store import DB_NAME, JobStore

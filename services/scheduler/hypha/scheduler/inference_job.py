@@ -38,7 +38,7 @@ from hypha.errors import HyphaError, NotFoundError
 from hypha.market.allocator import HeldLease
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.providers import DatasetProviders, provider_peer
-from hypha.scheduler.results import ResultPullError, pull_result, result_dir, result_limits
+from hypha.scheduler.results import keep_result, result_dir
 from hypha.scheduler.retry import AttemptEnd, Outcome
 from hypha.scheduler.runs import JobFailed, RunRegistry
 from hypha.scheduler.store import JobRecord
@@ -182,25 +182,8 @@ class InferenceRun(TaskRun):
 
     async def _pull_outputs(self, worker_id: str) -> str:
         """The result (outputs.jsonl, metrics.json), pulled into the scheduler's result dir."""
-        runs = self.runs
-        target = result_dir(self.state_dir, self.job_id)
-        try:
-            size = await pull_result(
-                runs.calls,
-                worker_id,
-                self.job_id,
-                target,
-                runs.jobs_cfg.result_timeout_s,
-                runs.clock,
-                limits=result_limits(runs.jobs_cfg),
-            )
-        except ResultPullError as err:
-            raise JobFailed(
-                f"the inference succeeded, but its outputs could not be kept: {err.message}"
-            ) from err
-        if runs.metrics is not None:
-            runs.metrics.bytes_moved.labels(kind="result_pull").inc(size)
-        return str(target)
+        failure = "the inference succeeded, but its outputs could not be kept: "
+        return str(await keep_result(self.runs, worker_id, self.job_id, self.state_dir, failure=failure))
 
 
 __all__ = ["MAX_ATTEMPTS", "InferenceRun"]

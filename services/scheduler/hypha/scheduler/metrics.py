@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hypha.jobfile.kinds import KINDS
 from hypha.scheduler.lifecycle import JobState
 from hypha.service import cancel_and_wait
 
@@ -59,7 +60,7 @@ class _StoreFigures(Collector):
             "Jobs known to the scheduler, by kind and state.",
             labels=("kind", "state"),
         )
-        for kind in ("diloco", "task", "inference"):
+        for kind in KINDS:
             for state in JobState:
                 jobs.add_metric((kind, state.value), table.get((kind, state), 0))
         yield jobs

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypha.scheduler.elastic import MAX_WORKERS
+from hypha.scheduler.diloco.elastic import MAX_WORKERS
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.openapi_jobs import SERVER_CHECK, job_table_schemas
 

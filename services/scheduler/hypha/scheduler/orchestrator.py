@@ -9,17 +9,19 @@ control what they run (``hypha.scheduler.worker_calls``); the
 object (``JobControl``), which hands it to the job's run.
 
 Each job kind is a ``JobRun`` (``hypha.scheduler.runs``): task jobs in
-``hypha.scheduler.task_job``, DiLoCo jobs in ``hypha.scheduler.diloco_job``,
+``hypha.scheduler.task_job``, DiLoCo jobs in ``hypha.scheduler.diloco.run``,
 inference jobs in ``hypha.scheduler.inference_job``.
-This module only picks the kind when a job starts (``_new_run``) and routes
-reports and lost leases to the run; it never asks which kind a run is.
+This module asks the kind tables (``hypha.jobfile.kinds``,
+``hypha.scheduler.job_kinds``) which run starts a job, which dataset it
+needs and whether it scales, and routes reports and lost leases to the
+run; it never asks which kind a job or run is.
 
 Decisions (NOTE):
 - A scheduler that stops leaves running jobs as they are in the store; its
   leases are released by the market, so the workers cancel the executions,
   and ``JobStore.recover`` settles the jobs at the next start. A scheduler
   that dies (SIGKILL, crash) releases nothing: at the next start a DiLoCo
-  job that saved its run state resumes (``hypha.scheduler.diloco_resume``).
+  job that saved its run state resumes (``hypha.scheduler.diloco.resume``).
 - A report about a job from a worker that does not work on it is refused
   with PERMISSION_DENIED: a worker can only speak for its own executions.
 - A report about a job that is over, from one of its workers, is
@@ -37,7 +39,6 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hypha.bundles import BUNDLES_DIR, BundleStore
 from hypha.errors import (
     FailedPreconditionError,
     HyphaError,
@@ -45,22 +46,20 @@ from hypha.errors import (
     PermissionDeniedError,
     UnavailableError,
 )
+from hypha.jobfile.kinds import kind_of
 from hypha.market.allocator import HeldLease
 from hypha.market.resources import Resources
-from hypha.scheduler import elastic
 from hypha.scheduler.config import SchedulerSection
-from hypha.scheduler.diloco_job import DilocoRun
-from hypha.scheduler.inference_job import InferenceRun
+from hypha.scheduler.diloco.round_planner import PlannerFactory
+from hypha.scheduler.job_kinds import RunContext, run_kind, scaling_kinds
 from hypha.scheduler.lease_keeper import LeaseEvent, LeaseEventKind, held_lease_to_proto
 from hypha.scheduler.lifecycle import JobState, Reason
 from hypha.scheduler.market import SchedulerMarket
 from hypha.scheduler.metrics import SchedulerMetrics, StatusBridge
 from hypha.scheduler.providers import ADMIT_WAIT_S, DatasetProviders
 from hypha.scheduler.results import result_dir
-from hypha.scheduler.rounds import PlannerFactory
 from hypha.scheduler.runs import JobRun, RunRegistry
 from hypha.scheduler.store import JobRecord, JobStore, LogEntry
-from hypha.scheduler.task_job import TaskRun
 from hypha.scheduler.worker_calls import FINAL_REPORTS, WorkerCalls
 from hypha.timestamps import to_timestamp
 from hypha.v1 import common_pb2, scheduler_pb2
@@ -133,10 +132,8 @@ class Orchestrator:
 
     async def admit(self, spec: common_pb2.JobSpec) -> None:
         """Refuse at submit a job whose dataset no data node announces (the real reason, fast)."""
-        kind = spec.WhichOneof("kind")
-        dataset = (
-            spec.diloco.dataset if kind == "diloco" else spec.inference.dataset if kind == "inference" else ""
-        )
+        kind = kind_of(spec)
+        dataset = kind.dataset(spec) if kind is not None else ""
         if dataset and self.providers is not None:
             wait_s = min(ADMIT_WAIT_S, self.section.jobs.provider_wait_s)
             await self.providers.require(dataset, wait_s)
@@ -169,14 +166,17 @@ class Orchestrator:
         await asyncio.wait([run.task], timeout=self.section.jobs.cancel_timeout_s * 2)
 
     async def scale(self, job_id: str, workers: int) -> None:
-        """Grow or shrink a running DiLoCo job to ``workers`` trainers (``hypha.scheduler.elastic``)."""
+        """Grow or shrink a running job to ``workers`` trainers, if its kind scales (``job_kinds``)."""
         job = await self.store.get(job_id)
-        if job.kind != DilocoRun.kind:
-            raise FailedPreconditionError(f"job {job_id} is a {job.kind} job: only DiLoCo jobs scale")
+        scale = run_kind(job.kind).scale
+        if scale is None:
+            raise FailedPreconditionError(
+                f"job {job_id} is a {job.kind} job: only {scaling_kinds()} jobs scale"
+            )
         run = self.runs.get(job_id)
-        if job.state not in (JobState.RUNNING, JobState.ALLOCATING) or not isinstance(run, DilocoRun):
+        if job.state not in (JobState.RUNNING, JobState.ALLOCATING) or run is None:
             raise FailedPreconditionError(f"job {job_id} is {job.state.value}: only a running job scales")
-        await elastic.scale(run, workers)
+        await scale(run, workers)
 
     def result_dir(self, job_id: str) -> Path:
         return result_dir(self.state_dir, job_id)
@@ -298,12 +298,9 @@ class Orchestrator:
         self.runs.launch(self._new_run(job), job)
 
     def _new_run(self, job: JobRecord) -> JobRun:
-        """The one place that knows the job kinds."""
-        if job.kind == DilocoRun.kind:
-            return DilocoRun(job, self.runs, self.planners, self.providers, self.state_dir)
-        if job.kind == InferenceRun.kind:
-            return InferenceRun(job, self.runs, self.providers, self.state_dir)
-        return TaskRun(job, self.runs, BundleStore(self.state_dir / BUNDLES_DIR), self.state_dir)
+        """The run its kind's entry starts (``hypha.scheduler.job_kinds``)."""
+        context = RunContext(self.runs, self.planners, self.providers, self.state_dir)
+        return run_kind(job.kind).start(job, context)
 
     async def _lease_events(self, queue: asyncio.Queue[LeaseEvent]) -> None:
         """Hand every lease the market lost to the run that held it."""

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hypha.jobfile.kinds import job_kind, kind_of
 from hypha.pki.identity import PeerIdentity, Role
 from hypha.scheduler.lifecycle import JobState
 from hypha.timestamps import to_timestamp
@@ -30,26 +31,24 @@ REDACTED = "***"
 def redacted(spec: common_pb2.JobSpec, *, env: bool = True) -> common_pb2.JobSpec:
     """A copy without secrets, for anything that leaves the scheduler.
 
-    Hugging Face tokens (of a DiLoCo or inference job's model and
-    preprocessor) always become ``***``; a task's ``env`` values too when
-    ``env`` (its keys stay, so a viewer still sees what the task sets).
+    The tokens of the model sources its kind names (``JobKind.sources``)
+    always become ``***``; its private environment's values too when ``env``
+    (a task's ``env``: its keys stay, so a viewer still sees what it sets).
     """
     out = common_pb2.JobSpec()
     out.CopyFrom(spec)
-    kind = out.WhichOneof("kind")
-    sources: list[common_pb2.ModelSpec | common_pb2.PreprocessorSpec] = []
-    if kind == "diloco":
-        sources += [out.diloco.model, out.diloco.preprocessor]
-    elif kind == "inference":
-        sources.append(out.inference.model)
-    for source in sources:
+    kind = kind_of(out)
+    if kind is None:
+        return out
+    for source in kind.sources(out).values():
         if source.token:
             source.token = REDACTED
-    if env and kind == "task":
+    if env:
+        private = kind.private_env(out)
         # Over a copy of the keys: writing into a protobuf map while iterating it may
         # skip entries (upb rehashes), which once let one value through unredacted.
-        for key in list(out.task.env):
-            out.task.env[key] = REDACTED
+        for key in list(private):
+            private[key] = REDACTED
     return out
 
 
@@ -125,11 +124,11 @@ class JobRecord:
 
     @property
     def rounds(self) -> int:
-        return self.spec.diloco.rounds if self.kind == "diloco" else 0
+        return job_kind(self.kind).rounds(self.spec)
 
     @property
     def max_attempts(self) -> int:
-        return self.spec.task.retry.max_attempts if self.kind == "task" else 1
+        return job_kind(self.kind).max_attempts(self.spec)
 
     def shows_env_to(self, viewer: PeerIdentity | None) -> bool:
         """Whether ``viewer`` may read this job's ``env`` values: its submitter or an admin."""

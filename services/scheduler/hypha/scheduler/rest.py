@@ -61,12 +61,12 @@ from hypha.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
-from hypha.jobfile import normalize_spec, parse_job_document, parse_job_table, parse_job_toml
+from hypha.jobfile import KINDS, normalize_spec, parse_job_document, parse_job_table, parse_job_toml
 from hypha.net.https import request_identity, serve_app, server_ssl_context
 from hypha.net.metrics_server import exposition
 from hypha.net.tls import TlsMaterial
 from hypha.pki.identity import PeerIdentity, Role
-from hypha.scheduler.elastic import MAX_WORKERS
+from hypha.scheduler.diloco.elastic import MAX_WORKERS
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.metrics import SchedulerMetrics
 from hypha.scheduler.openapi import API, openapi_document
@@ -333,8 +333,8 @@ class RestServer:
         states = [JobState.parse(s) for s in request.query.getall("state", [])]
         if not kind and "kind" in request.query:
             kind = request.query["kind"]
-            if kind not in ("diloco", "task", "inference"):
-                raise InvalidArgumentError(f"kind: {kind!r} is not a job kind (diloco, task, inference)")
+            if kind not in KINDS:
+                raise InvalidArgumentError(f"kind: {kind!r} is not a job kind ({', '.join(KINDS)})")
         jobs = await self.api.list_jobs(request[_IDENTITY], states, kind)
         return web.json_response({"jobs": [job_json(job, request[_IDENTITY]) for job in jobs]})
 

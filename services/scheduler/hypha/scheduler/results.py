@@ -13,6 +13,11 @@ may bring onto the scheduler's disk, and going over fails the pull at once
 (no retry: the same worker would send the same result). So does a result the
 worker refuses to send because the job left a link or special file in it
 (FAILED_PRECONDITION from ``hypha.filesend``): the job fails saying which.
+
+Every kind that ends with a result (a DiLoCo job's model, a task's declared
+outputs, an inference job's outputs) keeps it through ``keep_result``: the
+pull, its bytes on the scheduler's ``bytes_moved`` metric, and a failed pull
+as the job's failure.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ import grpc
 from hypha.errors import DataLossError, HyphaError
 from hypha.filestream import FileStreamLimitError, StreamLimits, receive_files
 from hypha.fsutil import replace_dir
+from hypha.net.backoff import Backoff
 from hypha.scheduler.config import JobsSection
+from hypha.scheduler.runs import JobFailed, RunRegistry
 from hypha.scheduler.worker_calls import WorkerCalls, describe, is_refusal
 from hypha.v1 import common_pb2, worker_pb2
 
@@ -73,7 +80,7 @@ async def pull_result(
     """
     partial = target.with_name(target.name + ".partial")
     deadline = clock() + timeout_s
-    delay = FIRST_RETRY_S
+    pause = Backoff(FIRST_RETRY_S, MAX_RETRY_S)
     while True:
         await asyncio.to_thread(_fresh_dir, partial)
         try:
@@ -83,14 +90,37 @@ async def pull_result(
                 raise DataLossError("the result stream held no files")
             break
         except (grpc.aio.AioRpcError, HyphaError, OSError) as err:
+            delay = pause.next_delay()
             if clock() + delay >= deadline or _is_final(err):
                 await asyncio.to_thread(shutil.rmtree, partial, True)
                 raise ResultPullError(f"pulling the result from {worker_id} failed: {describe(err)}") from err
             log.info("job %s: result pull from %s failed (%s); retrying", job_id, worker_id, describe(err))
             await asyncio.sleep(delay)
-            delay = min(delay * 2, MAX_RETRY_S)
     await asyncio.to_thread(replace_dir, partial, target)
     return sum(file.bytes for file in files)
+
+
+async def keep_result(
+    runs: RunRegistry, worker_id: str, job_id: str, state_dir: Path, *, failure: str = ""
+) -> Path:
+    """Pull the job's result from ``worker_id`` into its result dir (returned) and count its bytes;
+    a pull that fails ends the job (``JobFailed``: ``failure`` then the pull's reason)."""
+    target = result_dir(state_dir, job_id)
+    try:
+        size = await pull_result(
+            runs.calls,
+            worker_id,
+            job_id,
+            target,
+            runs.jobs_cfg.result_timeout_s,
+            runs.clock,
+            limits=result_limits(runs.jobs_cfg),
+        )
+    except ResultPullError as err:
+        raise JobFailed(failure + err.message) from err
+    if runs.metrics is not None:
+        runs.metrics.bytes_moved.labels(kind="result_pull").inc(size)
+    return target
 
 
 def _is_final(err: BaseException) -> bool:
@@ -118,4 +148,12 @@ def _fresh_dir(path: Path) -> None:
     path.mkdir(parents=True)
 
 
-__all__ = ["DEFAULT_LIMITS", "RESULTS_DIR", "ResultPullError", "pull_result", "result_dir", "result_limits"]
+__all__ = [
+    "DEFAULT_LIMITS",
+    "RESULTS_DIR",
+    "ResultPullError",
+    "keep_result",
+    "pull_result",
+    "result_dir",
+    "result_limits",
+]

@@ -1,7 +1,7 @@
 """The active jobs of one scheduler: the interface each job kind implements, and their registry.
 
 A ``JobRun`` is one job while an asyncio task drives it; each kind (a task
-job, ``hypha.scheduler.task_job``; a DiLoCo job, ``hypha.scheduler.diloco_job``)
+job, ``hypha.scheduler.task_job``; a DiLoCo job, ``hypha.scheduler.diloco.run``)
 is a subclass, and the orchestrator never asks which kind it holds: it hands
 a worker's report to the run (``on_status``, ``on_progress``, ``next_slice``,
 ``on_metrics``) and a lost lease to ``on_lease_lost``.
@@ -56,6 +56,7 @@ MAX_QUEUE_RETRY_S = 30.0
 MAX_LEASE_PAUSE_S = 8.0
 #: First pause between two dispatches that found an execution of the job still winding down.
 REDISPATCH_PAUSE_S = 0.2
+REDISPATCH_PAUSE_MAX_S = 2.0
 
 
 class JobFailed(HyphaError):
@@ -94,7 +95,7 @@ class JobRun(ABC):
 
     @property
     def resumable(self) -> bool:
-        """A restarted scheduler takes the job back as it runs (``diloco_resume``), so a graceful
+        """A restarted scheduler takes the job back as it runs (``diloco.resume``), so a graceful
         stop leaves its leases to expire on the workers rather than stopping its executions."""
         return False
 
@@ -387,7 +388,7 @@ class RunRegistry:
         ``jobs.dispatch_timeout_s`` passed.
         """
         deadline = self.clock() + self.jobs_cfg.dispatch_timeout_s
-        pause = REDISPATCH_PAUSE_S
+        pause = Backoff(REDISPATCH_PAUSE_S, REDISPATCH_PAUSE_MAX_S)
         while True:
             try:
                 await dispatch()
@@ -396,8 +397,7 @@ class RunRegistry:
                 if err.code() != grpc.StatusCode.ALREADY_EXISTS or self.clock() >= deadline:
                     raise
             await self.calls.cancel(worker_id, run.job_id)
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 2.0)
+            await asyncio.sleep(pause.next_delay())
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         """Run a job's side work (replacing a trainer) in the background, cancelled at stop."""

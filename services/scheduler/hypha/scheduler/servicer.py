@@ -53,6 +53,7 @@ from hypha.errors import (
 )
 from hypha.filesend import send_dir
 from hypha.jobfile import normalize_spec, parse_job_toml
+from hypha.jobfile.kinds import kind_of
 from hypha.net.auth import peer_identity
 from hypha.pki.identity import PeerIdentity, Role
 from hypha.scheduler.lifecycle import ACTIVE, JobState, Reason
@@ -172,7 +173,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def _attach_files(self, spec: common_pb2.JobSpec, files_bundle: bytes) -> None:
         """Keep a task's files bundle and name it (sha256, size) in the spec."""
-        task = spec.task if spec.WhichOneof("kind") == "task" else None
+        kind = kind_of(spec)
+        task = kind.files(spec) if kind is not None else None
         if task is not None:  # only the scheduler names a bundle: one it has checked and kept
             task.files_sha256, task.files_size = "", 0
         if task is None or not (files_bundle or task.files):

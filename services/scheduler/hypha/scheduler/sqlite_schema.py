@@ -10,6 +10,9 @@ Decisions (``NOTE``):
   scheduler's schema is refused (an older scheduler must not write rows it
   does not understand); an older one gains its missing columns in place when
   opened, so an upgraded scheduler keeps every job it ever accepted.
+- **A run's state is kept in parts** (``run_state_parts``: one row per
+  part), so a run that changes one part rewrites that row only (a DiLoCo
+  run's slices are one part each: ``hypha.scheduler.diloco.snapshot``).
 - **Durability**: WAL with ``synchronous=NORMAL``: a crash of the scheduler
   process loses nothing committed; a power cut may lose the last
   transactions (acceptable for job bookkeeping, and much faster).
@@ -29,7 +32,7 @@ from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.records import JobEventRecord, JobRecord, WorkerMetric
 from hypha.v1 import common_pb2
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -95,11 +98,13 @@ CREATE TABLE IF NOT EXISTS worker_metrics (
     updated_at         REAL NOT NULL,
     PRIMARY KEY (job_id, worker_id)
 );
-CREATE TABLE IF NOT EXISTS run_state (
-    job_id     TEXT PRIMARY KEY,
+CREATE TABLE IF NOT EXISTS run_state_parts (
+    job_id     TEXT NOT NULL,
+    part       TEXT NOT NULL,
     data       TEXT NOT NULL,
-    updated_at REAL NOT NULL
-);
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (job_id, part)
+) WITHOUT ROWID;
 """
 
 #: Columns ``transition``/``update`` may change besides state and reason.
@@ -135,6 +140,9 @@ def connect(path: Path | str) -> sqlite3.Connection:
         for column in ("worker_name", "executor"):
             if column not in columns:
                 db.execute(f"ALTER TABLE logs ADD COLUMN {column} TEXT NOT NULL DEFAULT ''")
+        # Schema 2 kept a run's state as one row (a layout no run resumes from any more): its jobs
+        # are settled as runs that saved nothing (``restart_recovery``).
+        db.execute("DROP TABLE IF EXISTS run_state")
         db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     return db
 

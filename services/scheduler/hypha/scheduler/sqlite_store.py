@@ -25,7 +25,8 @@ Decisions (``NOTE``):
   long job would otherwise grow the table without end). The oldest go
   first, as for logs: a curve keeps its recent end.
 - **A run's own state is kept only while the job is active**
-  (``save_run_state``): it is what resuming the job after a restart needs
+  (``save_run_state``, in parts, each written only when the run changes it):
+  it is what resuming the job after a restart needs
   (``hypha.scheduler.restart_recovery``), and is removed when the job
   reaches a terminal state.
 
@@ -202,7 +203,7 @@ class SqliteJobStore:
             if cursor.rowcount != 1:  # only possible if the lock semantics were bypassed
                 raise FailedPreconditionError(f"job {job_id} changed concurrently")
             if target.terminal:
-                db.execute("DELETE FROM run_state WHERE job_id = ?", (job_id,))
+                db.execute("DELETE FROM run_state_parts WHERE job_id = ?", (job_id,))
             job = self._get(db, job_id)
             self._event(db, job_id, now, "state", target, job.round, job.loss, new_reason)
             return job
@@ -355,8 +356,12 @@ class SqliteJobStore:
 
     # ---- a running job's own state (what resuming it after a restart needs) -----------------
 
-    def save_run_state(self, job_id: str, data: Mapping[str, Any]) -> bool:
-        """Keep ``data`` (JSON-able) for an active job; False (nothing kept) when the job is over."""
+    def save_run_state(self, job_id: str, parts: Mapping[str, Any], *, replace: bool = False) -> bool:
+        """Keep each of ``parts`` (its top-level keys, JSON-able values) for an active job, in one
+        transaction; ``replace``: the parts not given are dropped. False (nothing kept) when the
+        job is over.
+
+        Parts not given are left as they are, so a run writes only what changed."""
         now = self.clock()
         active = (JobState.ALLOCATING.value, JobState.RUNNING.value)
         with transaction(self._db) as db:
@@ -365,17 +370,22 @@ class SqliteJobStore:
                 raise NotFoundError(f"no such job: {job_id}")
             if row[0] not in active:
                 return False
-            db.execute(
-                "INSERT INTO run_state (job_id, data, updated_at) VALUES (?, ?, ?)"
-                " ON CONFLICT (job_id) DO UPDATE SET data = excluded.data, updated_at = excluded.updated_at",
-                (job_id, json.dumps(data, sort_keys=True), now),
+            if replace:
+                db.execute("DELETE FROM run_state_parts WHERE job_id = ?", (job_id,))
+            db.executemany(
+                "INSERT INTO run_state_parts (job_id, part, data, updated_at) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (job_id, part)"
+                " DO UPDATE SET data = excluded.data, updated_at = excluded.updated_at",
+                [(job_id, part, json.dumps(value, sort_keys=True), now) for part, value in parts.items()],
             )
         return True
 
     def run_state(self, job_id: str) -> dict[str, Any] | None:
-        """The state ``save_run_state`` kept last for the job, if any."""
-        row = self._db.execute("SELECT data FROM run_state WHERE job_id = ?", (job_id,)).fetchone()
-        return None if row is None else dict(json.loads(row[0]))
+        """Every part ``save_run_state`` kept for the job, as one mapping (None: nothing kept)."""
+        rows = self._db.execute(
+            "SELECT part, data FROM run_state_parts WHERE job_id = ?", (job_id,)
+        ).fetchall()
+        return {part: json.loads(data) for part, data in rows} if rows else None
 
     # ---- internals ------------------------------------------------------------------------
 

@@ -61,7 +61,7 @@ def job_summary(job: JobRecord, points: list[MetricRecord]) -> dict[str, Any]:
         "state": job.state.value,
         "reason": job.reason,
         "round": job.round,
-        "rounds": job.spec.diloco.rounds if job.kind == "diloco" else 0,
+        "rounds": job.rounds,
         "loss": job.loss if math.isfinite(job.loss) else None,
         "workers": list(job.workers),
         "attempt": job.attempt,
@@ -115,10 +115,12 @@ class StatusPage:
         store = self.api.store
         jobs = list(reversed(await store.list_jobs(None, limit=MAX_JOBS)))
         summaries = [job_summary(job, await store.metrics(job.job_id)) for job in jobs]
-        workers = [
-            json_format.MessageToDict(view, preserving_proto_field_name=True)
-            for view in await self.api.orchestrator.list_workers()
-        ]
+        views = await self.api.orchestrator.list_workers()
+        # People read workers by the name on their certificate, not by 32-character peer ids.
+        names = {view.peer.peer_id: view.peer.name for view in views if view.peer.name}
+        for summary in summaries:
+            summary["worker_names"] = [names.get(peer_id, peer_id) for peer_id in summary["workers"]]
+        workers = [json_format.MessageToDict(view, preserving_proto_field_name=True) for view in views]
         return {"jobs": summaries, "workers": workers}
 
 

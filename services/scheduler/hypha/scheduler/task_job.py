@@ -31,7 +31,7 @@ from hypha.market.allocator import HeldLease
 from hypha.market.pricing import PriceRange
 from hypha.market.resources import Requirements
 from hypha.scheduler.lifecycle import JobState, Reason
-from hypha.scheduler.results import ResultPullError, pull_result, result_dir, result_limits
+from hypha.scheduler.results import keep_result
 from hypha.scheduler.retry import AttemptEnd, Outcome, RetryPolicy, attempt_end
 from hypha.scheduler.runs import JobFailed, JobRun, RunRegistry, price_range
 from hypha.scheduler.store import JobRecord
@@ -203,23 +203,8 @@ class TaskRun(JobRun):
         """The declared outputs, pulled from the worker into the result dir; its path ("" if none)."""
         if not self.spec.task.outputs:
             return ""
-        runs = self.runs
-        target = result_dir(self.state_dir, self.job_id)
-        try:
-            size = await pull_result(
-                runs.calls,
-                worker_id,
-                self.job_id,
-                target,
-                runs.jobs_cfg.result_timeout_s,
-                runs.clock,
-                limits=result_limits(runs.jobs_cfg),
-            )
-        except ResultPullError as err:
-            raise JobFailed(f"the task succeeded, but its outputs could not be kept: {err.message}") from err
-        if runs.metrics is not None:
-            runs.metrics.bytes_moved.labels(kind="result_pull").inc(size)
-        return str(target)
+        failure = "the task succeeded, but its outputs could not be kept: "
+        return str(await keep_result(self.runs, worker_id, self.job_id, self.state_dir, failure=failure))
 
     async def _wait_for_end(self, lease: HeldLease, timeout_s: float) -> AttemptEnd:
         """Until the attempt ends: a status report, the lease's loss, a poll, or the timeout."""

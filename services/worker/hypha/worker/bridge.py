@@ -223,11 +223,8 @@ class JobBridge:
         spec = common_pb2.JobSpec()
         spec.CopyFrom(dispatch.spec)
         # Credentials stay with the worker, which does the downloading.
-        if spec.WhichOneof("kind") == "diloco":
-            spec.diloco.model.token = ""
-            spec.diloco.preprocessor.token = ""
-        elif spec.WhichOneof("kind") == "inference":
-            spec.inference.model.token = ""
+        for source in dispatch.profile.job.sources(spec).values():
+            source.token = ""
         return web.json_response(
             {
                 "job_id": dispatch.job_id,
@@ -247,15 +244,11 @@ class JobBridge:
         name = json_str(data, "resource")
         if name not in ("model", "preprocessor"):
             raise NotFoundError(f"unknown resource {name!r} (known: model, preprocessor)")
-        spec = self.ctx.dispatch.spec
-        if spec.WhichOneof("kind") == "inference" and name == "model":
-            source = ResourceSource.from_proto(spec.inference.model)
-        elif spec.WhichOneof("kind") != "diloco":
-            raise FailedPreconditionError(f"a {spec.WhichOneof('kind') or 'spec-less'} job has no {name}")
-        else:
-            source = ResourceSource.from_proto(
-                spec.diloco.model if name == "model" else spec.diloco.preprocessor
-            )
+        dispatch = self.ctx.dispatch
+        named = dispatch.profile.job.sources(dispatch.spec).get(name)
+        if named is None:
+            raise FailedPreconditionError(f"a {dispatch.profile.job.name} job has no {name}")
+        source = ResourceSource.from_proto(named)
         if source.empty:
             raise NotFoundError(f"the job's spec names no {name} to fetch")
         if self.ctx.resources is None:

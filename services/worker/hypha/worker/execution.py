@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from hypha import factories
-from hypha.market.resources import ExecutorKind, Resources
+from hypha.market.resources import Resources
 from hypha.service import BackgroundTasks
 from hypha.v1 import scheduler_pb2
 from hypha.worker.bridge import JobBridge
 from hypha.worker.execution_state import ExecutionRecord, ExecutionState, JobDispatch
+from hypha.worker.executor_profiles import Rewiring
 from hypha.worker.executors import ExecutorPlan
 from hypha.worker.jobs_config import JobsSection
 from hypha.worker.scheduler_link import LogForwarder, SchedulerLink
@@ -86,7 +87,7 @@ class Execution:
     def rewire(self, dispatch: JobDispatch) -> None:
         """Re-point the running execution; nothing restarts (see ``is_rewiring``)."""
         running = self.dispatch
-        if dispatch.executor is ExecutorKind.DILOCO_TRAINER:
+        if dispatch.profile.rewiring is Rewiring.PARAMETER_SERVER:
             former = (*running.former_parameter_servers, running.parameter_server_id)
             former = tuple(p for p in dict.fromkeys(former) if p != dispatch.parameter_server_id)
             dispatch = replace(dispatch, former_parameter_servers=former)
@@ -108,6 +109,10 @@ class Execution:
         ):
             self.rewire(dispatch)  # the server or the trainers changed meanwhile
         else:
+            # The restarted scheduler does not know which servers this execution's tensors
+            # went to before (a restore it made earlier): the routes to them are kept.
+            former = (*running.former_parameter_servers, *dispatch.former_parameter_servers)
+            dispatch = replace(dispatch, former_parameter_servers=tuple(dict.fromkeys(former)))
             self.dispatch = dispatch
             if self.bridge is not None:
                 self.bridge.ctx.dispatch = dispatch
@@ -196,13 +201,10 @@ def is_rewiring(running: JobDispatch, new: JobDispatch) -> bool:
         or new.attempt != running.attempt
     ):
         return False
-    if new.executor is ExecutorKind.PARAMETER_SERVER:
+    rewiring = new.profile.rewiring
+    if rewiring is Rewiring.TRAINERS:
         return new.trainer_ids != running.trainer_ids
-    return new.executor is ExecutorKind.DILOCO_TRAINER and bool(new.parameter_server_id)
-
-
-#: Executors a restarted scheduler takes back (DiLoCo); a task's lost attempt is retried instead.
-REATTACHABLE = frozenset({ExecutorKind.DILOCO_TRAINER, ExecutorKind.PARAMETER_SERVER})
+    return rewiring is Rewiring.PARAMETER_SERVER and bool(new.parameter_server_id)
 
 
 def is_reattach(execution: Execution, new: JobDispatch) -> bool:
@@ -218,14 +220,13 @@ def is_reattach(execution: Execution, new: JobDispatch) -> bool:
     return (
         bool(execution.orphaned)
         and execution.record.state is ExecutionState.RUNNING
-        and new.executor in REATTACHABLE
+        and new.profile.reattachable
         and new.scheduler_id == running.scheduler_id
     )
 
 
 __all__ = [
     "PUMP_NAMES",
-    "REATTACHABLE",
     "RUNNING_REPORT",
     "TAIL_LINES",
     "Execution",

@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from hypha.errors import IllegalTransitionError, InvalidArgumentError
+from hypha.jobfile.kinds import kind_of
 from hypha.market.resources import ExecutorKind
 from hypha.v1 import common_pb2, worker_pb2
+from hypha.worker.executor_profiles import ExecutorProfile, profile
 
 # Job ids become directory names: no separators, no dot-dot, bounded.
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -159,18 +161,18 @@ class JobDispatch:
     def validate(self) -> None:
         if not _JOB_ID.match(self.job_id):
             raise InvalidArgumentError(f"job id {self.job_id!r} must match {_JOB_ID.pattern}")
-        kind = self.spec.WhichOneof("kind")
-        wanted = {ExecutorKind.TASK: "task", ExecutorKind.INFERENCE: "inference"}.get(self.executor, "diloco")
-        if kind != wanted:
+        wanted, got = self.profile.job, kind_of(self.spec)
+        if got is not wanted:
+            named = got.name if got is not None else "none"
             raise InvalidArgumentError(
-                f"executor {self.executor.value} needs a {wanted} job spec, got {kind or 'none'}"
+                f"executor {self.executor.value} needs a {wanted.name} job spec, got {named}"
             )
-        if self.executor is ExecutorKind.TASK and not self.spec.task.command:
-            raise InvalidArgumentError("task job without a command")
-        if self.executor is ExecutorKind.TASK and bool(self.spec.task.files_sha256) != bool(
-            self.files_bundle
-        ):
-            raise InvalidArgumentError("a task's files bundle and its spec's files_sha256 come together")
+        self.profile.check(self.spec, self.files_bundle)
+
+    @property
+    def profile(self) -> ExecutorProfile:
+        """What its executor kind needs (``hypha.worker.executor_profiles``)."""
+        return profile(self.executor)
 
     @property
     def key(self) -> tuple[str, ExecutorKind]:
@@ -198,13 +200,7 @@ class JobDispatch:
         return ()
 
     def requirements(self) -> common_pb2.Requirements:
-        if self.executor is ExecutorKind.TASK:
-            return self.spec.task.requirements
-        if self.executor is ExecutorKind.INFERENCE:
-            return self.spec.inference.requirements
-        if self.executor is ExecutorKind.PARAMETER_SERVER:
-            return self.spec.diloco.parameter_server_requirements
-        return self.spec.diloco.worker_requirements
+        return self.profile.requirements(self.spec)
 
 
 @dataclass

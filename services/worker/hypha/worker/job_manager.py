@@ -42,14 +42,14 @@ from hypha.service import Service
 from hypha.worker import executors
 from hypha.worker.bridge import BridgeContext, JobBridge
 from hypha.worker.bridge_slices import SliceSource
-from hypha.worker.execution import REATTACHABLE, RUNNING_REPORT, Execution, is_reattach, is_rewiring
-from hypha.worker.execution_state import ExecutionRecord, ExecutionState, JobDispatch, StopCause
+from hypha.worker.execution import Execution, is_reattach, is_rewiring
+from hypha.worker.execution_cleanup import ExecutionCleanup
+from hypha.worker.execution_state import ExecutionRecord, JobDispatch, StopCause
 from hypha.worker.gpu_slots import GpuSlots
 from hypha.worker.jobs_config import JobsSection
 from hypha.worker.model_fetch import ResourceFetcher
 from hypha.worker.scheduler_link import LogForwarder, LogSink, SchedulerLink
 from hypha.worker.supervisor import Supervisor
-from hypha.worker.task_files import unpack_files
 from hypha.worker.transfer import TensorExchange
 from hypha.worker.work_dirs import WorkDirs
 
@@ -109,6 +109,7 @@ class JobManager(Service):
         self._accepting = False
         self._stopped = False
         self.supervisor = Supervisor(settings, hidden=(self.work_root, *hidden), clock=clock)
+        self.cleanup = ExecutionCleanup(self.gpus, self.exchange, self.dirs, settings)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -145,10 +146,9 @@ class JobManager(Service):
         if not self._accepting:
             raise UnavailableError("this worker is not accepting jobs (starting or shutting down)")
         dispatch.validate()
-        if dispatch.spec.WhichOneof("kind") == "diloco" and dispatch.spec.diloco.model.torch_factory:
-            factories.check(dispatch.spec.diloco.model.torch_factory, self.settings.model_factories)
-        if dispatch.spec.WhichOneof("kind") == "inference" and dispatch.spec.inference.model.torch_factory:
-            factories.check(dispatch.spec.inference.model.torch_factory, self.settings.model_factories)
+        model = dispatch.profile.job.model(dispatch.spec)
+        if model is not None and model.torch_factory:
+            factories.check(model.torch_factory, self.settings.model_factories)
         running = self._active.get(dispatch.key)
         if running is not None:
             if is_reattach(running, dispatch):
@@ -171,9 +171,7 @@ class JobManager(Service):
             max_timeout_s=self.settings.max_task_timeout_s,
         )
         requirements = dispatch.requirements().minimum
-        wanted_gpus = math.ceil(requirements.gpu)
-        if dispatch.executor is ExecutorKind.TASK:
-            wanted_gpus = max(wanted_gpus, dispatch.spec.task.gpus)
+        wanted_gpus = max(math.ceil(requirements.gpu), dispatch.profile.gpus(dispatch.spec))
         leased = self._leased(dispatch)
         gpus = self.gpus.acquire(wanted_gpus, dispatch.key)
         now = self._clock()
@@ -259,7 +257,7 @@ class JobManager(Service):
         for execution in list(self._active.values()):
             if execution.dispatch.lease_id != lease_id:
                 continue
-            if expired and grace_s > 0 and execution.dispatch.executor in REATTACHABLE:
+            if expired and grace_s > 0 and execution.dispatch.profile.reattachable:
                 execution.orphaned = lease_id
                 line = (
                     f"lease {lease_id} expired: its scheduler is away; "
@@ -347,9 +345,9 @@ class JobManager(Service):
     async def _prepare(self, execution: Execution) -> None:
         work_dir = execution.work_dir
         await asyncio.to_thread(self.dirs.make_private, work_dir)
-        if execution.dispatch.executor is ExecutorKind.TASK:
-            task, bundle = execution.dispatch.spec.task, execution.dispatch.files_bundle
-            await asyncio.to_thread(unpack_files, task, bundle, work_dir)
+        dispatch = execution.dispatch
+        if dispatch.profile.prepare is not None:
+            await asyncio.to_thread(dispatch.profile.prepare, dispatch.spec, dispatch.files_bundle, work_dir)
         self.exchange.open_job(execution.dispatch.job_id)
         execution.exchange_open = True
         bridge = JobBridge(
@@ -378,31 +376,10 @@ class JobManager(Service):
             await self._finish(execution)
 
     async def _finish(self, execution: Execution) -> None:
-        """Free everything the execution held; runs once, whatever happened."""
+        """Free everything the execution held (``ExecutionCleanup``); runs once, whatever happened."""
         dispatch, record = execution.dispatch, execution.record
         try:
-            self.gpus.release(dispatch.key)
-            for task in execution.helpers:
-                if not task.get_name().endswith(RUNNING_REPORT):
-                    task.cancel()
-            await asyncio.gather(*execution.helpers, return_exceptions=True)
-            if execution.bridge is not None:
-                await execution.bridge.stop()
-            if execution.exchange_open:
-                await self.exchange.close_job(dispatch.job_id)
-            if record.result_dir:
-                kept = await asyncio.to_thread(
-                    self.dirs.keep_result, Path(record.result_dir), dispatch.job_id, dispatch.executor.value
-                )
-                record.result_dir = str(kept)
-            execution.logs.line("system", f"{record.state.value}: {record.message}".rstrip(": "))
-            await execution.report(execution.status_report(), self.settings.status_timeout_s)
-            await execution.logs.close()
-            await execution.link.close()
-            succeeded = record.state is ExecutionState.SUCCEEDED
-            await asyncio.to_thread(self.dirs.clean, execution.work_dir, self.settings.cleanup, succeeded)
-        except Exception:
-            log.exception("job %s: cleanup failed", dispatch.job_id)
+            await self.cleanup.run(execution)
         finally:
             self._active.pop(dispatch.key, None)
             self._finished[record.execution_id] = execution

@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
+from hypha.net.backoff import Backoff
+
 _READ_BLOCK = 1 << 16
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 #: ``rss`` (field 24 of /proc/PID/stat, in pages), counted from the field after the command name.
@@ -100,10 +102,9 @@ async def end_group(pgid: int, *, grace_s: float | None) -> int:
     if members and grace_s is not None:
         signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        delay = 0.02
+        pause = Backoff(0.02, 0.2)
         while members and time.monotonic() < deadline:
-            await asyncio.sleep(delay)  # no exit notification exists for a grandchild
-            delay = min(delay * 2, 0.2)
+            await asyncio.sleep(pause.next_delay())  # no exit notification exists for a grandchild
             members = await asyncio.to_thread(group_members, pgid)
     if members:
         signal_group(pgid, signal.SIGKILL)

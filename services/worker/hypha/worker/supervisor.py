@@ -24,7 +24,6 @@ import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hypha.market.resources import ExecutorKind
 from hypha.worker.execution import PUMP_NAMES, RUNNING_REPORT, Execution
 from hypha.worker.execution_state import ExecutionState, StopCause
 from hypha.worker.jobs_config import JobsSection
@@ -32,7 +31,6 @@ from hypha.worker.lease_limits import lease_bounds, watch_lease
 from hypha.worker.process_group import end_group, kill_orphans, pump_lines, signal_group, spawn_group_leader
 from hypha.worker.resources import GIB
 from hypha.worker.sandbox import Sandbox, resolve
-from hypha.worker.task_files import keep_outputs
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +66,8 @@ class Supervisor:
             execution.plan.argv,
             execution.work_dir,
             env.get("PATH"),
-            # Only a task job may use the network itself; our executors talk through their bridge.
-            network=execution.dispatch.executor is ExecutorKind.TASK,
+            # Only a job's own command (a task) may use the network; our executors use their bridge.
+            network=execution.dispatch.profile.own_network,
             # One file no larger than the storage the lease grants (lease_limits watches the sum).
             max_file_bytes=int(storage_gb * GIB) if storage_gb > 0 else None,
         )
@@ -131,12 +129,9 @@ class Supervisor:
             marker_found = None
             if plan.marker is not None:
                 marker_found = await asyncio.to_thread(plan.marker.exists)
-            if execution.dispatch.executor is ExecutorKind.TASK and (
-                marker_found if marker_found is not None else code == 0
-            ):
-                kept, missing = await asyncio.to_thread(
-                    keep_outputs, execution.dispatch.spec.task, execution.work_dir
-                )
+            keep = execution.dispatch.profile.keep
+            if keep is not None and (marker_found if marker_found is not None else code == 0):
+                kept, missing = await asyncio.to_thread(keep, execution.dispatch.spec, execution.work_dir)
                 if kept is not None:
                     execution.record.result_dir = str(kept)
                 if missing:

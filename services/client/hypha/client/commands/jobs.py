@@ -31,6 +31,7 @@ from hypha.client.output import (
 )
 from hypha.client.registry import EXIT_FAILED, EXIT_OK, Command, UsageError
 from hypha.client.session import Session, run_session
+from hypha.client.worker_names import WorkerNames
 from hypha.errors import HyphaError
 from hypha.filestream import StreamLimits, receive_files
 from hypha.v1 import common_pb2, scheduler_pb2
@@ -130,7 +131,7 @@ def _status(args: argparse.Namespace) -> int:
             if json_out(args):
                 print_json(job_dict(job))
             else:
-                print_job(job)
+                print_job(job, await WorkerNames(s.stub).learn(job.workers) if job.workers else None)
             return EXIT_OK
         states = [f"JOB_STATE_{st.upper()}" for st in args.state or []]
         response = await s.stub.ListJobs(scheduler_pb2.ListJobsRequest(states=states), timeout=s.timeout)
@@ -160,6 +161,7 @@ async def watch_stream(s: Session, job_id: str, args: argparse.Namespace) -> int
     out = console()
     live = Live(console=out, auto_refresh=False) if out.is_terminal and not json_out(args) else None
     last: scheduler_pb2.JobEvent | None = None
+    names = WorkerNames(s.stub)
     with live or contextlib.nullcontext():
         async for event in follow_job(
             s.stub, job_id, on_lost=lambda why: print(why, file=sys.stderr, flush=True)
@@ -168,7 +170,8 @@ async def watch_stream(s: Session, job_id: str, args: argparse.Namespace) -> int
             if json_out(args):
                 print_json(event_dict(event))
             elif live is not None:
-                live.update(event_view(event), refresh=True)
+                workers = await names.learn([w.worker_id for w in event.workers])
+                live.update(event_view(event, workers), refresh=True)
             else:
                 print(event_line(event), flush=True)
     if last is None:

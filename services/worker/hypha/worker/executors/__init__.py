@@ -16,14 +16,11 @@ from pathlib import Path
 
 from hypha.market.resources import ExecutorKind
 from hypha.v1 import common_pb2
+from hypha.worker.executor_profiles import PROFILES
 from hypha.worker.executors import task
 
-#: The module each built-in executor runs as (``python -m MODULE``).
-BUILTIN_MODULES: dict[ExecutorKind, str] = {
-    ExecutorKind.DILOCO_TRAINER: "hypha.worker.executors.diloco_trainer",
-    ExecutorKind.PARAMETER_SERVER: "hypha.worker.executors.parameter_server",
-    ExecutorKind.INFERENCE: "hypha.worker.executors.inference",
-}
+#: The module each built-in executor runs as (``python -m MODULE``; its executor profile names it).
+BUILTIN_MODULES: dict[ExecutorKind, str] = {kind: p.module for kind, p in PROFILES.items() if p.module}
 
 
 @dataclass(frozen=True)

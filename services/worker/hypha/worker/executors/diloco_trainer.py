@@ -66,8 +66,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -79,10 +77,20 @@ from torch import nn
 
 from hypha import factories, models
 from hypha.directives import DirectiveKind
-from hypha.errors import HyphaError, InvalidArgumentError
-from hypha.worker.confine import make_non_dumpable
+from hypha.errors import InvalidArgumentError
+from hypha.net.backoff import Backoff
+from hypha.worker.executors import process
+from hypha.worker.executors.batches import BatchStream, batch_rows, to_device
+from hypha.worker.executors.bridge_api import Bridge
 from hypha.worker.executors.checkpoint_writer import DEFAULT_CHECKPOINT_INTERVAL_S, CheckpointWriter
+from hypha.worker.executors.diloco_settings import (
+    InnerSettings,
+    delta_encoder,
+    diloco_spec,
+    make_inner_optimizer,
+)
 from hypha.worker.executors.global_sync import FragmentUpdate, GlobalSync
+from hypha.worker.executors.inner_steps import train_step
 from hypha.worker.executors.ps_link import ParameterServerLink
 from hypha.worker.executors.reports import (
     DEFAULT_REPORT_INTERVAL_S,
@@ -93,17 +101,6 @@ from hypha.worker.executors.reports import (
 )
 from hypha.worker.executors.slice_feed import SliceFeed
 from hypha.worker.executors.trainer_state import TrainerState, load_trainer_state
-from hypha.worker.executors.training import (
-    BatchStream,
-    Bridge,
-    InnerSettings,
-    batch_rows,
-    delta_encoder,
-    diloco_spec,
-    make_inner_optimizer,
-    to_device,
-    train_step,
-)
 
 logger = logging.getLogger("hypha.worker.executors.diloco_trainer")
 
@@ -168,25 +165,16 @@ class DilocoTrainer:
         """Train until the job is done; the process exit code."""
         try:
             await self._run()
-        except (HyphaError, OSError, RuntimeError, ValueError) as exc:
+        except process.FAILURES as exc:
             self._reports.cancel()
             if self._feed is not None:
                 self._feed.cancel()
             self._cancel_inflight()
             await self._checkpoints.settled(quiet=True)
-            message = exc.message if isinstance(exc, HyphaError) else f"{type(exc).__name__}: {exc}"
-            logger.error("trainer failed: %s", message)
-            await self._report_failure(message)
-            return 1
+            return await process.report_failure(self.bridge, "trainer", exc)
         finally:
             self._steps.shutdown(wait=False)  # a step still running ends with its batch
         return 0
-
-    async def _report_failure(self, message: str) -> None:
-        try:
-            await self.bridge.status("failed", message)
-        except Exception as exc:  # the bridge itself may be what failed
-            logger.warning("could not report the failure to the bridge: %s", exc)
 
     async def _run(self) -> None:
         bridge = self.bridge
@@ -235,7 +223,7 @@ class DilocoTrainer:
         feed = self._feed = SliceFeed(bridge, BatchStream(batch_size, models.MODEL_INPUTS.get(self.kind)))
         stats = RoundStats()
         countdown: int | None = None
-        idle_s = self.options.idle_min_s
+        idle = Backoff(self.options.idle_min_s, self.options.idle_max_s)
         reports = self._reports
         while not self._finished():
             batch = await feed.next_batch()
@@ -250,10 +238,9 @@ class DilocoTrainer:
                     await self._sync(stats, model, optimizer, checkpoint_dir)
                     stats, countdown = RoundStats(), None
                     continue
-                await asyncio.sleep(idle_s)
-                idle_s = min(idle_s * 2, self.options.idle_max_s)
+                await asyncio.sleep(idle.next_delay())
                 continue
-            idle_s = self.options.idle_min_s
+            idle.reset()
 
             started = time.perf_counter()
             feed.fetch_ahead()
@@ -419,33 +406,8 @@ def _sooner(countdown: int | None, other: int | None) -> int | None:
     return countdown if other is None else min(countdown, other)
 
 
-async def _main() -> int:
-    from hypha.bridge_client import BridgeClient
-
-    async with BridgeClient.from_env() as client:
-        bridge: Bridge = client  # the real client satisfies the protocol the tests fake
-        return await DilocoTrainer(bridge).run()
-
-
-def configure_process() -> None:
-    """Process-wide settings of an executor: non-dumpable, logging, one torch thread count per process.
-
-    Non-dumpable: a task job of another client may run as the same user (every
-    sandbox mode but bwrap); its /proc files (environ, memory) stay closed to it.
-    Several trainers share a machine: with torch's default (every core each)
-    four trainers on two cores ran 3x slower than with one thread each.
-    """
-    make_non_dumpable()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(max(1, int(os.environ.get("HYPHA_TORCH_THREADS", "1"))))
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # per-file bars would flood the job's log stream
-
-
 def main() -> None:
-    configure_process()
-    sys.exit(asyncio.run(_main()))
+    process.main(lambda bridge: DilocoTrainer(bridge).run())
 
 
 if __name__ == "__main__":

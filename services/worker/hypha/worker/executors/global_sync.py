@@ -27,16 +27,15 @@ from torch import nn
 from hypha.diloco.streaming import fragments_for, rebase_fragment
 from hypha.tensors.deltas import DeltaEncoder
 from hypha.tensors.payload import read_metadata
-from hypha.worker.executors.ps_link import ParameterServerLink
-from hypha.worker.executors.training import (
-    GLOBAL,
-    GLOBAL_ROUND_KEY,
+from hypha.worker.executors.bridge_api import GLOBAL, GLOBAL_ROUND_KEY
+from hypha.worker.executors.inner_steps import (
     apply_global,
     compute_delta,
     decode_global,
     encode_delta,
     parameter_state,
 )
+from hypha.worker.executors.ps_link import ParameterServerLink
 
 #: What a fragment's exchange returns: its new θ_global (None: the final round's, not
 #: served) and the Δ's size in bytes.

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,9 +37,9 @@ import torch
 from hypha import bundles, factories, inference, models
 from hypha.datasets.format import load_slice_file
 from hypha.datasets.synthetic import decode_bytes
-from hypha.errors import FailedPreconditionError, HyphaError, NotFoundError, UnavailableError
+from hypha.errors import FailedPreconditionError, NotFoundError, UnavailableError
 from hypha.v1 import common_pb2
-from hypha.worker.executors.diloco_trainer import configure_process
+from hypha.worker.executors import process
 
 logger = logging.getLogger("hypha.worker.executors.inference")
 
@@ -84,14 +83,8 @@ class InferenceExecutor:
     async def run(self) -> int:
         try:
             message = await self._run()
-        except (HyphaError, OSError, RuntimeError, ValueError) as exc:
-            message = exc.message if isinstance(exc, HyphaError) else f"{type(exc).__name__}: {exc}"
-            logger.error("inference failed: %s", message)
-            try:
-                await self.bridge.status("failed", message)
-            except Exception as err:
-                logger.warning("could not report the failure to the bridge: %s", err)
-            return 1
+        except process.FAILURES as exc:
+            return await process.report_failure(self.bridge, "inference", exc)
         await self.bridge.status("succeeded", message)
         return 0
 
@@ -258,16 +251,8 @@ def _write_result(result: Path, rows: list[dict[str, Any]], figures: Mapping[str
     (result / METRICS_NAME).write_text(json.dumps(dict(figures), indent=2, sort_keys=True) + "\n")
 
 
-async def _main() -> int:
-    from hypha.bridge_client import BridgeClient
-
-    async with BridgeClient.from_env() as client:
-        return await InferenceExecutor(client).run()
-
-
 def main() -> None:
-    configure_process()
-    sys.exit(asyncio.run(_main()))
+    process.main(lambda bridge: InferenceExecutor(bridge).run())
 
 
 if __name__ == "__main__":

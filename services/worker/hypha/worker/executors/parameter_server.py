@@ -52,7 +52,6 @@ import logging
 import math
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,25 +76,13 @@ from hypha.errors import (
     UnavailableError,
 )
 from hypha.tensors.payload import decode_state, encode_state
-from hypha.v1 import common_pb2
-from hypha.worker.executors.diloco_trainer import configure_process
-from hypha.worker.executors.training import (
-    DELTA,
-    GLOBAL,
-    GLOBAL_ROUND_KEY,
-    UPDATE,
-    Bridge,
-    Received,
-    apply_global,
-    diloco_spec,
-    parameter_state,
-)
+from hypha.worker.executors import process
+from hypha.worker.executors.bridge_api import DELTA, GLOBAL, GLOBAL_ROUND_KEY, UPDATE, Bridge, Received
+from hypha.worker.executors.diloco_settings import diloco_spec, has_preprocessor, outer_settings, quorum
+from hypha.worker.executors.inner_steps import apply_global, parameter_state
 
 logger = logging.getLogger("hypha.worker.executors.parameter_server")
 
-#: The DiLoCo paper's outer settings, used when the job leaves the outer optimizer unset.
-DEFAULT_OUTER_LR = 0.7
-DEFAULT_OUTER_MOMENTUM = 0.9
 DEFAULT_ROUND_TIMEOUT_S = 300.0
 #: Tensor kind of a packed state (``checkpoint.pack``): published each round, pushed to a replacement.
 STATE_KIND = "ps-state"
@@ -142,20 +129,11 @@ class ParameterServer:
                     await self._follow_trainers()  # a trainer may have left (``hypha scale``)
                 await self.tick()
             await self.finish()
-        except (HyphaError, OSError, RuntimeError, ValueError) as exc:
-            message = exc.message if isinstance(exc, HyphaError) else f"{type(exc).__name__}: {exc}"
-            return await self._fail(message)
+        except process.FAILURES as exc:
+            return await process.report_failure(self.bridge, "parameter server", exc)
         if self.options.linger_s > 0:
             await asyncio.sleep(self.options.linger_s)
         return 0
-
-    async def _fail(self, message: str) -> int:
-        logger.error("parameter server failed: %s", message)
-        try:
-            await self.bridge.status("failed", message)
-        except Exception as exc:
-            logger.warning("could not report the failure to the bridge: %s", exc)
-        return 1
 
     # ---- steps (public so tests can drive them one at a time) ------------------------------
 
@@ -196,10 +174,10 @@ class ParameterServer:
             )
         else:
             core = ParameterServerCore(
-                NesterovOuter(self.template, *_outer_settings(self.spec)),
+                NesterovOuter(self.template, *outer_settings(self.spec)),
                 trainers,
                 self.spec.round_timeout_s or DEFAULT_ROUND_TIMEOUT_S,
-                _quorum(self.spec),
+                quorum(self.spec),
                 fragments=fragments_for(self.template, int(self.spec.streaming_fragments)),
             )
         self.core = core
@@ -308,7 +286,7 @@ class ParameterServer:
         if result_dir.exists():
             await asyncio.to_thread(shutil.rmtree, result_dir)
         await asyncio.to_thread(models.save_model_dir, self.model, result_dir, self.spec.model)
-        if _has_preprocessor(self.spec):
+        if has_preprocessor(self.spec):
             source = await self.bridge.fetch_resource("preprocessor")
             await asyncio.to_thread(_copy_missing, source, result_dir)
         await self.bridge.result(path=result_dir)
@@ -435,24 +413,6 @@ def _adopt_trainers(core: ParameterServerCore, trainers: list[str]) -> None:
         logger.info("trainer %s replaces %s", newcomer, old)
 
 
-def _outer_settings(spec: common_pb2.DilocoJobSpec) -> tuple[float, float]:
-    if not spec.HasField("outer_optimizer"):
-        return DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
-    outer = spec.outer_optimizer
-    return outer.learning_rate or DEFAULT_OUTER_LR, outer.momentum
-
-
-def _quorum(spec: common_pb2.DilocoJobSpec) -> float:
-    """The spec's quorum fraction; unset (0) means every trainer."""
-    return float(spec.quorum) if spec.quorum > 0 else 1.0
-
-
-def _has_preprocessor(spec: common_pb2.DilocoJobSpec) -> bool:
-    return spec.HasField("preprocessor") and bool(
-        spec.preprocessor.repository or spec.preprocessor.local_path
-    )
-
-
 def _copy_missing(source: Path, target: Path) -> None:
     """Add the preprocessor's files beside the model, never overwriting the model's own."""
     if not source.is_dir():
@@ -462,17 +422,8 @@ def _copy_missing(source: Path, target: Path) -> None:
             shutil.copy2(path, target / path.name)
 
 
-async def _main() -> int:
-    from hypha.bridge_client import BridgeClient
-
-    async with BridgeClient.from_env() as client:
-        bridge: Bridge = client  # the real client satisfies the protocol the tests fake
-        return await ParameterServer(bridge).run()
-
-
 def main() -> None:
-    configure_process()
-    sys.exit(asyncio.run(_main()))
+    process.main(lambda bridge: ParameterServer(bridge).run())
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Protocol
 
 from hypha.errors import UnavailableError
-from hypha.worker.executors.training import DELTA, UPDATE, Bridge, raise_if_bridge_gone, send_outcome
+from hypha.net.backoff import Backoff
+from hypha.worker.executors.bridge_api import DELTA, UPDATE, Bridge, raise_if_bridge_gone, send_outcome
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class ParameterServerLink:
         """
         deadline = self.options.clock() + self.options.update_patience_s
         attempt = 0
-        pause_s = self.options.idle_min_s
+        pause = Backoff(self.options.idle_min_s, self.options.idle_max_s)
         while True:
             attempt += 1
             try:
@@ -92,8 +93,7 @@ class ParameterServerLink:
                 logger.warning("fetching %s of round %d: %s", kind, round_number, exc.message)
                 data = None
                 # A failure answers at once (unlike a fetch that waited): pause before the next try.
-                await asyncio.sleep(pause_s)
-                pause_s = min(pause_s * 2, self.options.idle_max_s)
+                await asyncio.sleep(pause.next_delay())
             if data is not None:
                 return data
             if (tries is not None and attempt >= tries) or self.options.clock() >= deadline:

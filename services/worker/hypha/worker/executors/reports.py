@@ -12,7 +12,7 @@ round's last one. A report per batch cost a 20 ms step 1.5-2 ms even off the
 critical path (the bridge call's work shares the trainer's GIL and the
 machine's cores with the step), and a scheduler serving many fast workers one
 call per batch each. The scheduler's planner counts the batches a worker runs
-between two of its reports (``hypha.scheduler.rounds``), so a plan still
+between two of its reports (``hypha.scheduler.diloco.round_planner``), so a plan still
 reaches every worker before its sync point.
 
 What that changes, and why it is safe:
@@ -23,7 +23,7 @@ What that changes, and why it is safe:
 - ``sync_now`` and ``done`` take effect one batch, or one report interval,
   later than they would have. The scheduler knows: the report says
   ``next_batch_started`` and its planner counts that batch as in flight
-  (``hypha.scheduler.rounds``), so a planned round ends where it was planned;
+  (``hypha.scheduler.diloco.round_planner``), so a planned round ends where it was planned;
   only an unplanned ``sync_now`` (the others already synced) costs the wait.
 - One report is in flight at a time; while it is unanswered the next batch's
   report is skipped, and the one after carries the newer cumulative figures.
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from hypha.directives import DirectiveKind
 from hypha.errors import UnavailableError
-from hypha.worker.executors.training import Bridge, raise_if_bridge_gone
+from hypha.worker.executors.bridge_api import Bridge, raise_if_bridge_gone
 
 logger = logging.getLogger(__name__)
 

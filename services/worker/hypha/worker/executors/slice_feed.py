@@ -10,7 +10,7 @@ small model's round on a 2-core machine (docs/performance.md). So:
   about to train would need it, while that batch trains; at most one slice is
   fetched ahead, and only while the trainer holds at most one other: the
   scheduler assigns a worker at most two slices at a time (its prefetch
-  allowance, ``hypha.scheduler.slices``) and answers "none for now" beyond
+  allowance, ``hypha.scheduler.diloco.slice_tracker``) and answers "none for now" beyond
   that, which must not end a batch short. A slice fetched ahead is assigned a
   few batches early, as the one in use already is: a worker that stops leaves
   it unused, and the scheduler hands a lost worker's slices out again;
@@ -33,7 +33,8 @@ import torch
 
 from hypha.datasets.format import load_slice_file
 from hypha.errors import UnavailableError
-from hypha.worker.executors.training import Batch, BatchStream, Bridge, raise_if_bridge_gone
+from hypha.worker.executors.batches import Batch, BatchStream
+from hypha.worker.executors.bridge_api import Bridge, raise_if_bridge_gone
 
 logger = logging.getLogger(__name__)
 

@@ -30,15 +30,22 @@ Decisions (``NOTE``):
   (by ``worker_lost`` or a steal) gets an error and its report is ignored.
 
 The tracker is a pure synchronous state holder: the caller serialises calls
-(one lock or one task per job) and persists ``snapshot()`` if it wants to
+(one lock or one task per job) and persists ``take_changes()`` if it wants to
 survive restarts.
+
+Persistence is incremental: a hand-out changes only the holders (the
+``header``: epoch, each live worker's held slices in order, revocations, so
+O(workers)); a USED report changes one slice's row ``[owner, used_epoch]``.
+A slice is USED when its row names the current epoch, so an epoch's end
+rewrites no row. A job of n slices thus writes O(n) bytes per epoch, not the
+O(n²) of saving every slice at each hand-out (``docs/performance.md``).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -81,47 +88,30 @@ class _Slice:
     owner: str | None = None
 
 
+#: A slice's saved row: its owner and the epoch it was USED in (``NOT_USED``: not this epoch).
+SliceRow = tuple[str | None, int]
+NOT_USED = -1
+
+
 @dataclass(frozen=True)
 class SliceSnapshot:
-    """Everything needed to rebuild a tracker; JSON-able through ``to_dict``."""
+    """Everything needed to rebuild a tracker: a small ``header`` and a row per slice that was
+    ever used (``rows``), the form it is saved in."""
 
-    slice_count: int
-    prefetch: int
-    steal: bool
-    epoch: int
-    states: tuple[SliceState, ...]
-    owners: tuple[str | None, ...]
-    #: Live workers and the slices they hold, in the order they got them.
-    held: Mapping[str, tuple[int, ...]]
-    revoked: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    #: slice_count, prefetch, steal, epoch, held (live workers and the slices they hold, in
+    #: the order they got them) and revoked; JSON-able.
+    header: Mapping[str, Any]
+    rows: Mapping[int, SliceRow]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "slice_count": self.slice_count,
-            "prefetch": self.prefetch,
-            "steal": self.steal,
-            "epoch": self.epoch,
-            "states": [str(s) for s in self.states],
-            "owners": list(self.owners),
-            "held": {w: list(v) for w, v in self.held.items()},
-            "revoked": {w: list(v) for w, v in self.revoked.items()},
-        }
 
-    @classmethod
-    def from_dict(cls, body: Mapping[str, Any]) -> SliceSnapshot:
-        try:
-            return cls(
-                slice_count=int(body["slice_count"]),
-                prefetch=int(body["prefetch"]),
-                steal=bool(body["steal"]),
-                epoch=int(body["epoch"]),
-                states=tuple(SliceState(s) for s in body["states"]),
-                owners=tuple(None if o is None else str(o) for o in body["owners"]),
-                held={str(w): tuple(int(i) for i in v) for w, v in body["held"].items()},
-                revoked={str(w): tuple(int(i) for i in v) for w, v in body.get("revoked", {}).items()},
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise InvalidArgumentError(f"malformed slice snapshot: {exc!r}") from None
+@dataclass(frozen=True)
+class SliceChanges:
+    """What changed since the last save: the header and the rows of the slices that changed
+    (``full``: every row there is, the saved rows replaced)."""
+
+    full: bool
+    header: Mapping[str, Any]
+    rows: Mapping[int, SliceRow]
 
 
 class SliceTracker:
@@ -146,6 +136,8 @@ class SliceTracker:
         self._avail_heap: list[int] = list(range(slice_count))
         self._free_heap: list[int] = list(range(slice_count))
         self._own_heap: dict[str, list[int]] = {}
+        #: Slices whose row changed since the last ``take_changes`` (None: all of them).
+        self._dirty: set[int] | None = None
 
     # ---- queries --------------------------------------------------------
 
@@ -213,6 +205,7 @@ class SliceTracker:
         if entry.state is _S and entry.holder != worker:
             raise FailedPreconditionError(f"slice {index} is assigned to {entry.holder}, not {worker}")
         self._transition(index, _U)
+        self._changed(index)
         if entry.owner is not None:
             self._owned[entry.owner].discard(index)
         entry.owner = worker
@@ -226,6 +219,7 @@ class SliceTracker:
         if entry.state is _S and entry.holder != worker:
             raise FailedPreconditionError(f"slice {index} is assigned to {entry.holder}, not {worker}")
         self._transition(index, _A)
+        self._changed(index)
 
     def worker_lost(self, worker: str) -> list[int]:
         """Forget a worker: its ASSIGNED slices become AVAILABLE (returned), and
@@ -247,49 +241,88 @@ class SliceTracker:
     # ---- persistence ----------------------------------------------------
 
     def snapshot(self) -> SliceSnapshot:
-        return SliceSnapshot(
-            slice_count=self.slice_count,
-            prefetch=self.prefetch,
-            steal=self.steal,
-            epoch=self._epoch,
-            states=tuple(s.state for s in self._slices),
-            owners=tuple(s.owner for s in self._slices),
-            held={w: tuple(h) for w, h in self._held.items()},
-            revoked={w: tuple(r) for w, r in self._revoked.items() if r},
-        )
+        rows = {i: self._row(i) for i, entry in enumerate(self._slices) if entry.owner is not None}
+        return SliceSnapshot(self._header(), rows)
+
+    def take_changes(self) -> SliceChanges:
+        """What changed since the last call (everything at the first): the caller saves it, or
+        hands it back to ``changes_lost`` when the save failed."""
+        if self._dirty is None:
+            changes = SliceChanges(True, self._header(), self.snapshot().rows)
+        else:
+            changes = SliceChanges(False, self._header(), {i: self._row(i) for i in sorted(self._dirty)})
+        self._dirty = set()
+        return changes
+
+    def changes_lost(self, changes: SliceChanges) -> None:
+        """``changes`` were not saved: the next ``take_changes`` holds them again."""
+        if changes.full:
+            self._dirty = None
+        elif self._dirty is not None:
+            self._dirty.update(changes.rows)
 
     @classmethod
     def from_snapshot(cls, snap: SliceSnapshot) -> SliceTracker:
-        tracker = cls(snap.slice_count, snap.prefetch, snap.steal)
-        if len(snap.states) != snap.slice_count or len(snap.owners) != snap.slice_count:
-            raise InvalidArgumentError("slice snapshot: states/owners do not match slice_count")
-        if snap.epoch < 0:
+        """The tracker ``snap`` was taken of; its changes are counted from there."""
+        try:
+            head = snap.header
+            tracker = cls(int(head["slice_count"]), int(head["prefetch"]), bool(head["steal"]))
+            epoch = int(head["epoch"])
+            held = {str(w): tuple(int(i) for i in v) for w, v in head["held"].items()}
+            revoked = {str(w): [int(i) for i in v] for w, v in head.get("revoked", {}).items()}
+            rows = {int(i): (None if o is None else str(o), int(e)) for i, (o, e) in snap.rows.items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise InvalidArgumentError(f"malformed slice snapshot: {exc!r}") from None
+        if epoch < 0:
             raise InvalidArgumentError("slice snapshot: negative epoch")
-        tracker._epoch = snap.epoch
+        tracker._epoch = epoch
         holders: dict[int, str] = {}
-        for worker, indices in snap.held.items():
-            if len(indices) > snap.prefetch:
+        for worker, indices in held.items():
+            if len(indices) > tracker.prefetch:
                 raise InvalidArgumentError(f"slice snapshot: {worker} holds more than prefetch allows")
             for index in indices:
-                if not 0 <= index < snap.slice_count or index in holders:
+                if not 0 <= index < tracker.slice_count or index in holders:
                     raise InvalidArgumentError(f"slice snapshot: slice {index} held twice or out of range")
                 holders[index] = worker
             tracker._held[worker] = dict.fromkeys(indices)
-        for index, (state, owner) in enumerate(zip(snap.states, snap.owners, strict=True)):
-            if (state is _S) != (index in holders):
-                raise InvalidArgumentError(
-                    f"slice snapshot: slice {index} is {state} but held by {holders.get(index)}"
-                )
+        for index, (owner, used_in) in rows.items():
+            if not 0 <= index < tracker.slice_count:
+                raise InvalidArgumentError(f"slice snapshot: row {index} out of range")
             entry = tracker._slices[index]
-            entry.state, entry.holder, entry.owner = state, holders.get(index), owner
+            if used_in == epoch:
+                if index in holders:
+                    raise InvalidArgumentError(f"slice snapshot: slice {index} is used but held")
+                entry.state = _U
+            entry.owner = owner
             if owner is not None:
                 tracker._owned.setdefault(owner, set()).add(index)
-        tracker._used = sum(1 for s in snap.states if s is _U)
-        if tracker._used == snap.slice_count:
+        for index, worker in holders.items():
+            tracker._slices[index].state, tracker._slices[index].holder = _S, worker
+        tracker._used = sum(1 for s in tracker._slices if s.state is _U)
+        if tracker._used == tracker.slice_count:
             raise InvalidArgumentError("slice snapshot: every slice USED but the epoch did not end")
-        tracker._revoked = {w: list(r) for w, r in snap.revoked.items()}
+        tracker._revoked = revoked
         tracker._rebuild_heaps()
+        tracker._dirty = set()
         return tracker
+
+    def _header(self) -> dict[str, Any]:
+        return {
+            "slice_count": self.slice_count,
+            "prefetch": self.prefetch,
+            "steal": self.steal,
+            "epoch": self._epoch,
+            "held": {w: list(h) for w, h in self._held.items()},
+            "revoked": {w: list(r) for w, r in self._revoked.items() if r},
+        }
+
+    def _row(self, index: int) -> SliceRow:
+        entry = self._slices[index]
+        return entry.owner, self._epoch if entry.state is _U else NOT_USED
+
+    def _changed(self, index: int) -> None:
+        if self._dirty is not None:
+            self._dirty.add(index)
 
     # ---- internals ------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """DiLoCo rounds in simulation: the equal-batches baseline and a discrete-event run of a planner.
 
 For tests and the ``rounds`` benchmark only: the scheduler itself runs
-``hypha.scheduler.rounds.RoundPlanner`` against real trainers. The
+``hypha.scheduler.diloco.round_planner.RoundPlanner`` against real trainers. The
 simulation drives the real planner code (batches are reported, every one
 or every so often, and the directives obeyed) with simulated workers of
 given speeds, and measures the time each worker idles at the sync points.
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from hypha.directives import DirectiveKind
 from hypha.errors import InvalidArgumentError
-from hypha.scheduler.rounds import Directive, Planner, Progress
+from hypha.scheduler.diloco.round_planner import Directive, Planner, Progress
 
 
 class EqualBatchPlanner:
