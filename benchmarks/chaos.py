@@ -20,6 +20,18 @@ failing run is reproducible with ``--seed``.
 
     python benchmarks/chaos.py --quick          # >= 5 jobs, a few minutes on 2 cores
     python benchmarks/chaos.py --jobs 20        # the full run
+    python benchmarks/chaos.py --compose --quick    # the container cluster: 6 jobs, 9 faults
+    python benchmarks/chaos.py --compose            # 21 jobs, 24 faults
+
+``--compose`` runs the same idea on the real ``docker-compose.yml`` cluster
+(images from ``scripts/images.sh``): docker kills, pauses and network
+partitions of trainers, parameter servers, task hosts, gateways, the data
+node and the scheduler (``hypha.testing.compose_chaos`` says how faults are aimed and
+timed). Its figure is the fraction of jobs that SUCCEEDED; its JSON adds
+faults by kind and role, the time from each fault to the struck job's next
+round (p50/p95 over node losses; per kind) and from each partition's heal,
+rounds lost, each fetched result checked, and the slice audit. Everything it
+sees goes to a log file whose path it prints first.
 
 Baseline: the same jobs with no faults would all succeed, so ``baseline`` is
 1.0 and ``ratio`` equals the figure.
@@ -34,6 +46,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -212,6 +225,66 @@ async def main(args: argparse.Namespace) -> None:
     )
 
 
+def compose_main(args: argparse.Namespace) -> None:
+    """The chaos run on the container cluster (``--compose``)."""
+    from hypha.testing.compose import Cluster
+    from hypha.testing.compose_chaos import ChaosRun, plan_faults, plan_jobs
+
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+    rng = random.Random(seed)
+    workdir = Path(tempfile.mkdtemp(prefix="hypha-chaos-compose-"))
+    log_path = Path(args.log) if args.log else workdir / f"chaos-{seed}.log"
+    log_file = log_path.open("a")
+    started = time.monotonic()
+    print(f"log: {log_path}", flush=True)
+
+    def log(line: str) -> None:
+        stamped = f"{time.monotonic() - started:8.2f} {line}"
+        log_file.write(stamped + "\n")
+        log_file.flush()
+        if args.verbose:
+            print(stamped, flush=True)
+
+    jobs = plan_jobs(args.jobs, args.rounds, seed, args.samples)
+    faults = plan_faults(args.faults, rng)
+    log(f"seed {seed}: {len(jobs)} jobs, faults planned: {faults}")
+    with Cluster.up(
+        workdir, workers=args.workers, profiles=[], project="hyphachaos", subnets=SUBNETS
+    ) as nodes:
+        run = ChaosRun(nodes, jobs, faults, rng, log)
+        try:
+            asyncio.run(run.run())
+        finally:
+            audit = subprocess.run(
+                ["docker", "logs", nodes.containers("scheduler", all_states=True)[0]],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            scheduler_log = audit.stdout + audit.stderr
+            tail = nodes.run("logs", "--no-color", "--tail", "300", check=False, timeout=120).stdout
+            log("---- compose logs (last 300 lines per service) ----\n" + tail)
+    figures = run.figures(scheduler_log)
+    log(json.dumps(figures))
+    log_file.close()
+    figure = figures["succeeded"] / max(1, figures["jobs"])
+    report(
+        "chaos_compose",
+        figure,
+        "fraction",
+        1.0,
+        figure,
+        **figures,
+        seconds=round(time.monotonic() - started, 1),
+        seed=seed,
+        log=str(log_path),
+    )
+
+
+#: Own subnets, so a chaos run may share the machine with a user's cluster and the container tests.
+SUBNETS = ("10.243.0", "10.244.0")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="6 jobs, 3 workers (a few minutes on 2 cores)")
@@ -228,7 +301,27 @@ if __name__ == "__main__":
         default=",".join(RECOVERABLE),
         help="what the injector breaks, comma-separated: worker,gateway,data,stall,scheduler",
     )
+    parser.add_argument("--compose", action="store_true", help="chaos on the docker-compose.yml cluster")
+    parser.add_argument("--faults", type=int, default=None, help="--compose: faults (default 24; quick 9)")
+    parser.add_argument(
+        "--samples", type=int, default=2048, help="--compose: samples per DiLoCo round (~4 s a round)"
+    )
+    parser.add_argument("--log", default=None, help="--compose: the log file (default: in a temp dir)")
+    parser.add_argument("--verbose", action="store_true", help="--compose: print the log as it goes")
     parsed = parser.parse_args()
-    if parsed.quick:
-        parsed.jobs, parsed.rounds = min(parsed.jobs, 6), min(parsed.rounds, 3)
-    asyncio.run(main(parsed))
+    if parsed.compose:
+        jobs_given = parsed.jobs != parser.get_default("jobs")
+        if parsed.quick:
+            parsed.jobs = parsed.jobs if jobs_given else 6
+            parsed.faults = parsed.faults or 9
+            parsed.rounds = parsed.rounds if parsed.rounds != parser.get_default("rounds") else 10
+        else:
+            parsed.jobs = parsed.jobs if jobs_given else 21
+            parsed.faults = parsed.faults or 24
+            parsed.rounds = parsed.rounds if parsed.rounds != parser.get_default("rounds") else 10
+        parsed.workers = parsed.workers if parsed.workers != parser.get_default("workers") else 6
+        compose_main(parsed)
+    else:
+        if parsed.quick:
+            parsed.jobs, parsed.rounds = min(parsed.jobs, 6), min(parsed.rounds, 3)
+        asyncio.run(main(parsed))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.containers.compose import ROOT, Cluster, compose_v2, docker_ok
+from hypha.testing.compose import ROOT, Cluster, compose_v2, docker_ok
 
 os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")  # the reaper image cannot be pulled here
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.containers.compose import Cluster, eventually, state
+from hypha.testing.compose import Cluster, eventually, state
 
 pytestmark = pytest.mark.timeout(900)
 

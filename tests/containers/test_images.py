@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from testcontainers.core.container import DockerContainer
 
+from hypha.testing.compose import eventually
 from tests.conftest import Pki
-from tests.containers.compose import eventually
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -4,7 +4,8 @@ The scheduler decides which slice a trainer gets next; the worker fetches it
 (``SliceSource``: the verified cache) and places it in the execution's work
 dir. Slices the executor reports used ride along with the next request to the
 scheduler (one call, not two), and are put back for the one after when that
-request fails. With ``slice_lookahead`` the following slice is reserved and
+request fails. A slice whose fetch fails (its provider down) is kept and
+fetched again on the next request, not dropped. With ``slice_lookahead`` the following slice is reserved and
 prefetched as soon as one is handed out, so the executor's next request is a
 local file; a request that finds the lookahead still running waits for it
 rather than asking twice.
@@ -77,7 +78,13 @@ class SliceHandout:
             if not response.available:
                 return None
             providers = [ProviderInfo.from_proto(peer) for peer in response.providers]
-            fetched = await self.slices.fetch(response.dataset, response.index, providers)
+            try:
+                fetched = await self.slices.fetch(response.dataset, response.index, providers)
+            except BaseException:
+                # The scheduler handed this slice to us: fetched again on the next call rather
+                # than dropped (a dropped slice is never trained on in its epoch).
+                self._ahead = response
+                raise
             path = await asyncio.to_thread(self._place, response.index, fetched)
             if self.lookahead:
                 self._looking = asyncio.create_task(self._look_ahead(), name=f"slices-{self.job_id}")

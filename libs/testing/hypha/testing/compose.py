@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from testcontainers.compose import DockerCompose
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]  # libs/testing/hypha/testing/compose.py
 HYPHA = str(Path(sys.executable).parent / "hypha")
 T = TypeVar("T")
 
@@ -45,6 +45,15 @@ momentum = 0.9
 
 [job.resources]
 num_workers = 2
+"""
+
+
+#: The scheduler's slice audit (one DEBUG line per slice a trainer finished) for chaos runs and tests.
+SCHEDULER_DEBUG = """
+services:
+  scheduler:
+    environment:
+      HYPHA_LOG__LEVEL: debug
 """
 
 
@@ -104,18 +113,33 @@ class Cluster:
 
     @classmethod
     @contextmanager
-    def up(cls, workdir: Path, workers: int, profiles: list[str]) -> Iterator[Cluster]:
+    def up(
+        cls,
+        workdir: Path,
+        workers: int,
+        profiles: list[str],
+        *,
+        project: str = "hyphatest",
+        subnets: tuple[str, str] = ("10.241.0", "10.242.0"),
+    ) -> Iterator[Cluster]:
+        """The project ``PROJECT<pid>`` on its own subnets, its scheduler logging at DEBUG
+        (the slice audit lines ``slices_exactly_once`` reads); down with its volumes after."""
         env = workdir / "compose.env"
         # Empty host ports: docker picks free ones (read back with `compose port`).
         # Own subnets, so a user's cluster (10.231/10.232) may run beside the tests.
         env.write_text(
-            "HYPHA_SCHEDULER_PORT=\nHYPHA_REST_PORT=\nHYPHA_SUBNET_PREFIX=10.241.0\n"
-            "HYPHA_EDGE_SUBNET_PREFIX=10.242.0\nHYPHA_WORKER_POOL=12\n"
+            f"HYPHA_SCHEDULER_PORT=\nHYPHA_REST_PORT=\nHYPHA_SUBNET_PREFIX={subnets[0]}\n"
+            f"HYPHA_EDGE_SUBNET_PREFIX={subnets[1]}\nHYPHA_WORKER_POOL=12\n"
         )
+        override = workdir / "compose.override.yml"
+        override.write_text(SCHEDULER_DEBUG)
         compose = _Project(
-            context=ROOT, compose_file_name="docker-compose.yml", env_file=str(env), profiles=profiles
+            context=ROOT,
+            compose_file_name=["docker-compose.yml", str(override)],
+            env_file=str(env),
+            profiles=profiles,
         )
-        compose.project = f"hyphatest{os.getpid()}"
+        compose.project = f"{project}{os.getpid()}"
         cluster = cls(compose, workdir / "certs", workdir)
         try:
             cluster.run(
