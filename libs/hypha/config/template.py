@@ -94,10 +94,11 @@ def _table(
         value = values.get(name, None if default is _NOT_SET else default)
         out.append("")
         out.extend(_doc(info, _default_note(default)))
+        key = _key(info.alias or name)  # the name the file uses (e.g. `class`, a Python keyword)
         if value is None:
-            out.append(f"# {_key(name)} = {toml_value(_example(info))}")
+            out.append(f"# {key} = {toml_value(_example(info))}")
         else:
-            out.append(f"{_key(name)} = {toml_value(value)}")
+            out.append(f"{key} = {toml_value(value)}")
     for name, info, (kind, model) in fields:
         if kind == "value" or model is None:
             continue

@@ -45,6 +45,10 @@ DiLoCo job::
     num_workers = 2
     worker = { cpu = 1, memory_gb = 2 }  # or the list form: [[...worker]] of {type, min} / {kind}
     worker_price = { bid = 1.0, max = 2.0 }
+    [job.trainer_executor]               # optional: a process the worker config defines
+    class = "train"                      # ([[executors]], docs/job-bridge.md) instead of ours
+    name = "diloco-transformer"
+    builtin_fallback = false             # true: a worker without it runs the built-in trainer
 
 Task job::
 

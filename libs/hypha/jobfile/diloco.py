@@ -81,7 +81,27 @@ def diloco_table(table: Table) -> common_pb2.DilocoJobSpec:
     d.round_timeout_s = table.number("round_timeout_s", Defaults.ROUND_TIMEOUT_S)
     d.selection_policy = table.string("selection_policy")
     d.gpu_memory_per_sample_gb = table.number("gpu_memory_per_sample_gb", 0.0)
+    executor = table.table("trainer_executor")
+    if executor is not None:
+        d.trainer_executor.CopyFrom(_trainer_executor(executor))
     return d
+
+
+#: The executor class a DiLoCo trainer is (the reference system's name for it).
+TRAINER_CLASS = "train"
+
+
+def _trainer_executor(t: Table) -> common_pb2.ExecutorRef:
+    """``[job.trainer_executor]``: a worker-configured trainer process, by class and name."""
+    ref = common_pb2.ExecutorRef(
+        executor_class=t.string("class", TRAINER_CLASS),
+        name=t.string("name", required=True),
+        builtin_fallback=t.boolean("builtin_fallback", False),
+    )
+    t.done()
+    if ref.executor_class != TRAINER_CLASS:
+        raise bad(t.key("class"), f"a DiLoCo trainer's executor class is {TRAINER_CLASS!r}")
+    return ref
 
 
 def _preprocessor(t: Table) -> common_pb2.PreprocessorSpec:
@@ -231,6 +251,11 @@ def check_diloco(d: common_pb2.DilocoJobSpec, key: Callable[[str], str]) -> None
             raise bad(key(f"{name}.local_path"), f"{local!r} must be absolute (a path on the workers)")
     if not d.dataset.strip():
         raise bad(key("dataset"), "missing (required)")
+    executor = d.trainer_executor
+    if d.HasField("trainer_executor") and (
+        not executor.name or executor.executor_class not in ("", TRAINER_CLASS)
+    ):
+        raise bad(key("trainer_executor"), f"needs a name, and class {TRAINER_CLASS!r} (the default)")
     check_positive(d.rounds, key("rounds"))
     check_positive(d.samples_per_round, key("samples_per_round"))
     check_positive(d.num_workers, key("num_workers"))

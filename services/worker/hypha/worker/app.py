@@ -116,6 +116,7 @@ def build(settings: WorkerSettings, tls: TlsMaterial) -> WorkerNode:
         slices=slices,
         hidden=_own_files(settings),
         lease_grants=lease_grants,
+        configured_executors=settings.executors,
     )
 
     def lease_ok(lease_id: str, scheduler_id: str) -> bool:

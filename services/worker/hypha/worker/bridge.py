@@ -7,6 +7,8 @@ worker does the networking: the scheduler through a ``SchedulerLink``,
 peers through the ``TensorExchange``, data nodes through a ``SliceSource``,
 the hub through a ``ResourceFetcher``. The contract is
 ``docs/job-bridge.md``; the app serves it as OpenAPI at ``/v1/openapi.json``.
+The reference system's routes (``/resources/...``, ``/status/send``) are
+served beside them by ``reference_bridge``.
 
 The executor is not trusted with the worker's file system: every path it
 names is resolved (symlinks included) and must stay inside its work dir
@@ -53,6 +55,7 @@ from hypha.worker.bridge_openapi import OPENAPI
 from hypha.worker.bridge_slices import SliceHandout, SliceSource
 from hypha.worker.execution_state import ExecutionRecord, JobDispatch
 from hypha.worker.model_fetch import ResourceFetcher, ResourceSource
+from hypha.worker.reference_bridge import ReferenceRoutes
 from hypha.worker.scheduler_link import LogForwarder, SchedulerLink
 from hypha.worker.transfer import TensorExchange
 
@@ -166,6 +169,9 @@ class JobBridge:
         app.router.add_get("/v1/tensors/fetch", self._fetch_tensors)
         app.router.add_post("/v1/result", self._result)
         app.router.add_post("/v1/status", self._status)
+        # The reference system's API on the same socket (reference_bridge), for executors written for it.
+        self.reference = ReferenceRoutes(self)
+        self.reference.mount(app)
         return app
 
     async def start(self) -> Path:
@@ -182,6 +188,7 @@ class JobBridge:
         return self.socket_path
 
     async def stop(self) -> None:
+        await self.reference.close()
         await self.slices.close()
         runner, self._runner = self._runner, None
         if runner is not None:

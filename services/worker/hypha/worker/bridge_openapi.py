@@ -34,6 +34,30 @@ _U64 = {"type": "integer", "minimum": 0, "maximum": 2**64 - 1}  # uint64 fields 
 _STR = {"type": "string"}
 _NUM = {"type": "number"}
 _PATH = {"type": "string", "description": "a path inside the job's work dir (relative or absolute)"}
+_REF = {"type": "object", "description": "a reference: {type: huggingface | scheduler | uri | peers, ...}"}
+_REFERENCE_ERRORS = {
+    "400": {"$ref": "#/components/responses/ReferenceError"},
+    "415": {"description": "the body is not application/json"},
+    "422": {"description": "the body's JSON has the wrong shape"},
+    "500": {"$ref": "#/components/responses/ReferenceError"},
+}
+
+
+def _reference(summary: str, schema: dict[str, Any], responses: dict[str, Any]) -> dict[str, Any]:
+    body = {"required": True, "content": {"application/json": {"schema": schema}}}
+    return {
+        "post": {"summary": summary, "requestBody": body, "responses": {**responses, **_REFERENCE_ERRORS}}
+    }
+
+
+def _json_array(description: str, properties: dict[str, Any]) -> dict[str, Any]:
+    item = {"type": "object", "properties": properties}
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"type": "array", "items": item}}},
+    }
+
+
 _TENSOR_HEADERS = {
     "X-Hypha-From": {"schema": _STR, "description": "peer id of the sender (from its TLS session)"},
     "X-Hypha-Kind": {"schema": _STR},
@@ -206,14 +230,48 @@ OPENAPI: dict[str, Any] = {
                 "responses": {"200": _EMPTY, **_ERRORS},
             }
         },
+        # The reference system's API on the same socket (hypha.worker.reference_bridge).
+        "/resources/fetch": _reference(
+            "the job's model, preprocessor or next data slice, into artifacts/ (reference API)",
+            _REF,
+            {"200": _json_array("the files fetched", {"path": _STR, "size": _INT})},
+        ),
+        "/resources/send": _reference(
+            "send a file (the trainer's update) to peers, in the background (reference API)",
+            {
+                "type": "object",
+                "properties": {"resource": _REF, "path": _STR},
+                "required": ["resource", "path"],
+            },
+            {"200": {"description": "accepted; the file travels in the background"}},
+        ),
+        "/resources/receive": _reference(
+            "an event stream of the files (updates) received for this execution (reference API)",
+            {"type": "object", "properties": {"resource": _REF, "path": _STR}, "required": ["resource"]},
+            {
+                "200": {
+                    "description": "text/event-stream of {path, size, from_peer}",
+                    "content": {"text/event-stream": {}},
+                }
+            },
+        ),
+        "/status/send": _reference(
+            "report progress; the scheduler's answer (reference API)",
+            {"oneOf": [{"enum": ["update", "updated", "update-received"]}, {"type": "object"}]},
+            {"200": _json("Continue, ScheduleUpdate {counter}, Done or Ok", {"type": _STR, "counter": _INT})},
+        ),
     },
     "components": {
         "responses": {
+            "ReferenceError": _json(
+                "400 invalid_request; 500 network_error, connector_error, io_error (reference API)",
+                {"error": _STR, "detail": _STR},
+            ),
             "Error": _json(
                 "400 malformed, 403 outside the work dir, 404 unknown, 409 wrong state, "
                 "413 too large, 503 upstream unavailable",
                 {"error": _STR},
-            )
+            ),
         }
     },
 }

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hypha.config.common import NodeSettings
 from hypha.market.resources import ExecutorKind
-from hypha.worker.jobs_config import JobsSection
+from hypha.worker.jobs_config import ConfiguredExecutor, JobsSection
 from hypha.worker.resources import ResourceLimits
 
 ExecutorName = Literal["diloco-trainer", "parameter-server", "task", "inference"]
@@ -124,6 +124,19 @@ class WorkerSection(BaseModel):
 
 class WorkerSettings(NodeSettings):
     worker: WorkerSection = Field(default_factory=WorkerSection, description="Worker settings.")
+    # NOTE: top level, as the reference system's worker config has it, so its block pastes unchanged.
+    executors: list[ConfiguredExecutor] = Field(
+        default_factory=list,
+        description="Trainer programs ([[executors]]: class, name, runtime, cmd, args) that DiLoCo "
+        "jobs may name in [job.trainer_executor] (docs/job-bridge.md).",
+    )
+
+    @model_validator(mode="after")
+    def _unique_executors(self) -> WorkerSettings:
+        names = [(e.executor_class, e.name) for e in self.executors]
+        if len(names) != len(set(names)):
+            raise ValueError("two [[executors]] entries share a class and name")
+        return self
 
     def work_dir(self) -> Path:
         if self.worker.work_dir is not None:

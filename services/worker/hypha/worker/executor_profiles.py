@@ -43,6 +43,15 @@ def _no_check(spec: common_pb2.JobSpec, files_bundle: bytes) -> None:
     return None
 
 
+def _not_named(spec: common_pb2.JobSpec) -> common_pb2.ExecutorRef | None:
+    return None
+
+
+def _trainer_executor(spec: common_pb2.JobSpec) -> common_pb2.ExecutorRef | None:
+    ref = spec.diloco.trainer_executor
+    return ref if ref.name else None
+
+
 @dataclass(frozen=True)
 class ExecutorProfile:
     """One executor kind as the worker runs it."""
@@ -69,6 +78,9 @@ class ExecutorProfile:
     #: (``execution.is_reattach``); otherwise a lost attempt is retried instead.
     reattachable: bool = False
     rewiring: Rewiring = Rewiring.NONE
+    #: The worker-configured program (``[[executors]]``) the spec names to run instead of the
+    #: built-in one (``reference_job``); None: the built-in one.
+    named_executor: Callable[[common_pb2.JobSpec], common_pb2.ExecutorRef | None] = _not_named
 
 
 def _check_task(spec: common_pb2.JobSpec, files_bundle: bytes) -> None:
@@ -88,6 +100,7 @@ PROFILES: Mapping[ExecutorKind, ExecutorProfile] = {
             requirements=lambda spec: spec.diloco.worker_requirements,
             reattachable=True,
             rewiring=Rewiring.PARAMETER_SERVER,
+            named_executor=_trainer_executor,
         ),
         ExecutorProfile(
             kind=ExecutorKind.PARAMETER_SERVER,

@@ -39,15 +39,15 @@ from hypha.errors import (
 )
 from hypha.market.resources import ExecutorKind, Resources
 from hypha.service import Service
-from hypha.worker import executors
 from hypha.worker.bridge import BridgeContext, JobBridge
 from hypha.worker.bridge_slices import SliceSource
 from hypha.worker.execution import Execution, is_reattach, is_rewiring
 from hypha.worker.execution_cleanup import ExecutionCleanup
 from hypha.worker.execution_state import ExecutionRecord, JobDispatch, StopCause
 from hypha.worker.gpu_slots import GpuSlots
-from hypha.worker.jobs_config import JobsSection
+from hypha.worker.jobs_config import ConfiguredExecutor, JobsSection
 from hypha.worker.model_fetch import ResourceFetcher
+from hypha.worker.reference_job import execution_plan
 from hypha.worker.scheduler_link import LogForwarder, LogSink, SchedulerLink
 from hypha.worker.supervisor import Supervisor
 from hypha.worker.transfer import TensorExchange
@@ -81,6 +81,7 @@ class JobManager(Service):
         max_finished: int = 1000,
         hidden: Sequence[Path] = (),
         lease_grants: LeaseGrants | None = None,
+        configured_executors: Sequence[ConfiguredExecutor] = (),
     ) -> None:
         """``hidden``: the worker's own files (key, config, state dir) no sandbox may show.
 
@@ -102,6 +103,8 @@ class JobManager(Service):
         self.resources = resources or ResourceFetcher(settings.hub_settings(self.work_root))
         self.log_sink = log_sink
         self.lease_grants = lease_grants
+        #: ``[[executors]]``: trainer programs a DiLoCo job may name (``reference_job``).
+        self.configured_executors = tuple(configured_executors)
         self._clock = clock
         self._max_finished = max_finished
         self._active: dict[tuple[str, ExecutorKind], Execution] = {}
@@ -162,14 +165,7 @@ class JobManager(Service):
         if len(self._active) >= self.settings.max_concurrent_jobs:
             raise ResourceExhaustedError(f"{len(self._active)} jobs already run on this worker")
         work_dir = self.dirs.job_dir(dispatch.job_id, dispatch.executor.value)
-        plan = executors.plan(
-            dispatch.executor,
-            dispatch.spec,
-            work_dir,
-            commands=self.settings.executor_commands,
-            default_timeout_s=self.settings.default_task_timeout_s,
-            max_timeout_s=self.settings.max_task_timeout_s,
-        )
+        plan = execution_plan(dispatch, work_dir, self.settings, self.configured_executors)
         requirements = dispatch.requirements().minimum
         wanted_gpus = max(math.ceil(requirements.gpu), dispatch.profile.gpus(dispatch.spec))
         leased = self._leased(dispatch)

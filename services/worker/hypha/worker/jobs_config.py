@@ -34,6 +34,34 @@ _DEFAULT_PASSTHROUGH = [
 ]
 
 
+#: Placeholders a configured executor's ``args`` may hold, filled per execution.
+EXECUTOR_PLACEHOLDERS = ("{SOCKET_PATH}", "{WORK_DIR}", "{JOB_JSON}")
+
+
+class ConfiguredExecutor(BaseModel):
+    """One ``[[executors]]`` entry: a trainer program the worker runs for jobs that name it.
+
+    The block is the reference system's (class, name, runtime, cmd, args), so an
+    executor written for it is configured here unchanged; the program speaks the
+    reference job bridge API (docs/job-bridge.md).
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    executor_class: Literal["train"] = Field(
+        alias="class", description="Executor class; 'train': a DiLoCo trainer."
+    )
+    name: str = Field(min_length=1, description="Name a job's [job.trainer_executor] gives.")
+    runtime: Literal["process"] = Field("process", description="'process': a program the worker starts.")
+    cmd: str = Field(min_length=1, description="The program (a path, or a name looked up in PATH).")
+    args: list[str] = Field(
+        default_factory=list,
+        description="Its arguments; {SOCKET_PATH}, {WORK_DIR} and {JOB_JSON} are replaced by the "
+        "bridge socket, the work dir and the job as JSON (also given as the environment variables "
+        "SOCKET_PATH, WORK_DIR and JOB_JSON).",
+    )
+
+
 class JobsSection(BaseModel):
     """``[worker.jobs]``: how the worker runs executor processes."""
 
