@@ -1,10 +1,10 @@
 """A quick chaos run on the shared compose cluster: every role faulted while jobs run, all survive.
 
 ``benchmarks/chaos.py --compose --quick`` brings its own cluster; here the
-same run (``hypha.testing.compose_chaos``) uses the session's, so CI pays for
-one cluster. Six jobs (four DiLoCo, fp32 and int8, two tasks) meet nine faults,
-the first six one per role: trainer, parameter server, task host, gateway,
-data node and scheduler. Its log is written under the test's tmp dir and
+idea (``hypha.testing.compose_chaos``) uses the session's, so CI pays for
+one cluster: three jobs one at a time (DiLoCo fp32, DiLoCo int8, a task) meet
+six faults, one per role: trainer, parameter server, task host, gateway, data
+node and scheduler. Its log is written under the test's tmp dir and
 attached to a failure. Speed (time to recover) is the benchmark's figure, not
 asserted here; what is asserted is that nothing is lost.
 """
@@ -21,7 +21,8 @@ import pytest
 from hypha.testing.compose import Cluster, eventually
 from hypha.testing.compose_chaos import ChaosRun, plan_faults, plan_jobs
 
-pytestmark = pytest.mark.timeout(900)
+# The first container test to run also pays for the shared cluster's start (about 2 minutes).
+pytestmark = pytest.mark.timeout(1500)
 
 SEED = 29
 NODES = ("gw0", "gw1", "data", "scheduler", "worker")
@@ -33,8 +34,8 @@ def _healthy(cluster: Cluster, container: str, service: str) -> None:
 
 def test_every_role_faulted_while_jobs_run_loses_nothing(cluster: Cluster, tmp_path: Path) -> None:
     rng = random.Random(SEED)
-    jobs = plan_jobs(6, 10, SEED)
-    faults = plan_faults(9, rng)
+    jobs = plan_jobs(3, 10, SEED)
+    faults = plan_faults(6, rng)
     log_path = tmp_path / "chaos.log"
     with log_path.open("w") as log_file:
 
@@ -42,7 +43,9 @@ def test_every_role_faulted_while_jobs_run_loses_nothing(cluster: Cluster, tmp_p
             log_file.write(line + "\n")
             log_file.flush()
 
-        run = ChaosRun(cluster, jobs, faults, rng, log)
+        # One job at a time: the shared cluster's 4 workers (and the relay-only one) leave a
+        # spare for a DiLoCo job's replacements.
+        run = ChaosRun(cluster, jobs, faults, rng, log, concurrency=1)
         try:
             asyncio.run(run.run())
         finally:
@@ -55,7 +58,7 @@ def test_every_role_faulted_while_jobs_run_loses_nothing(cluster: Cluster, tmp_p
     audit = subprocess.run(["docker", "logs", scheduler], capture_output=True, text=True, timeout=120)
     figures = run.figures(audit.stdout + audit.stderr)
     context = f"{figures}\n--- chaos log ---\n{log_path.read_text()[-20000:]}"
-    assert figures["jobs"] == 6 and figures["succeeded"] == 6, context
+    assert figures["jobs"] == 3 and figures["succeeded"] == 3, context
     assert figures["faults"]["total"] >= figures["jobs"], context
     assert figures["roles_hit"] == sorted(
         ["data", "gateway", "parameter-server", "scheduler", "task", "trainer"]

@@ -406,25 +406,29 @@ class ChaosRun:
         return True
 
     async def _faults(self, done: asyncio.Event) -> None:
-        for kind, role in self.planned:
-            deadline = time.monotonic() + 240
-            target = None
-            while not done.is_set() and time.monotonic() < deadline:
-                last = self.faults[-1] if self.faults else None
-                if last is None or self._settled(last) or time.monotonic() - last.at > 60:
-                    target = await self._target(role)
-                    if target is not None:
-                        break
+        """Inject the planned faults one at a time, each once the previous one settled: the first
+        planned fault whose role is in use now goes next (a task's host only while a task runs),
+        so the plan's order is a preference, not a queue that one idle role would block."""
+        remaining = list(self.planned)
+        while remaining and not done.is_set():
+            last = self.faults[-1] if self.faults else None
+            if last is not None and not self._settled(last) and time.monotonic() - last.at < 60:
                 await asyncio.sleep(0.5)
-            if target is None:
-                self.skipped.append((kind, role))
-                self.log(f"skipped {kind} {role}: no job used that role in time")
-                if done.is_set():
-                    self.skipped.extend(self.planned[len(self.faults) + len(self.skipped) :])
-                    return
                 continue
+            for planned in remaining:
+                target = await self._target(planned[1])
+                if target is not None:
+                    break
+            else:
+                await asyncio.sleep(0.5)
+                continue
+            remaining.remove(planned)
+            kind, role = planned
             await asyncio.sleep(self.rng.uniform(0.5, 3.0))  # not always at a round's start
             await self._inject(kind, role, *target)
+        self.skipped.extend(remaining)
+        for kind, role in remaining:
+            self.log(f"skipped {kind} {role}: the jobs ended before that role was in use")
 
     # ---- the run -------------------------------------------------------------------------
 
