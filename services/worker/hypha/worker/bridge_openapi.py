@@ -35,10 +35,18 @@ _STR = {"type": "string"}
 _NUM = {"type": "number"}
 _PATH = {"type": "string", "description": "a path inside the job's work dir (relative or absolute)"}
 _REF = {"type": "object", "description": "a reference: {type: huggingface | scheduler | uri | peers, ...}"}
+#: The reference answers a body it cannot read as its JSON extractor does: plain text.
+_PLAIN = {"text/plain": {"schema": _STR}}
 _REFERENCE_ERRORS = {
-    "400": {"$ref": "#/components/responses/ReferenceError"},
-    "415": {"description": "the body is not application/json"},
-    "422": {"description": "the body's JSON has the wrong shape"},
+    "400": {
+        "description": "invalid_request as JSON {error, detail}; a body that is not JSON, as plain text",
+        "content": {
+            "application/json": {"schema": {"type": "object", "properties": {"error": _STR, "detail": _STR}}},
+            **_PLAIN,
+        },
+    },
+    "415": {"description": "the body is not application/json", "content": _PLAIN},
+    "422": {"description": "the body's JSON has the wrong shape", "content": _PLAIN},
     "500": {"$ref": "#/components/responses/ReferenceError"},
 }
 
