@@ -139,13 +139,14 @@ def _run_bare(model_dir: Path, slices: list[Path], batches: int, lr: float) -> t
     from hypha import models
     from hypha.datasets.format import load_slice_file
     from hypha.v1 import common_pb2
-    from hypha.worker.executors import batches, diloco_settings
+    from hypha.worker.executors import diloco_settings
+    from hypha.worker.executors.batches import BatchStream
 
     model = models.build_model(common_pb2.ModelSpec(type=common_pb2.MODEL_TYPE_CAUSAL_LM), model_dir)
     optimizer = diloco_settings.make_inner_optimizer(
         model, diloco_settings.InnerSettings(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8)
     )
-    stream = batches.BatchStream(BATCH, models.MODEL_INPUTS[models.ModelKind.CAUSAL_LM])
+    stream = BatchStream(BATCH, models.MODEL_INPUTS[models.ModelKind.CAUSAL_LM])
     data: list[dict[str, Any]] = []
     cursor = 0
     while len(data) < batches:

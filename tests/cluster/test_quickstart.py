@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -50,10 +51,13 @@ def fresh_copy(dest: Path) -> Path:
 
 
 def install_stamp(root: Path) -> str:
-    """What ``scripts/setup.sh`` compares with ``.venv/.hypha-installed`` to skip installing."""
+    """What ``scripts/setup.sh`` compares with ``.venv/.hypha-installed`` to skip installing:
+    computed by setup.sh's own ``want=$(...)`` command, so the two cannot drift apart."""
+    setup = (root / "scripts" / "setup.sh").read_text()
+    match = re.search(r"^want=\$\((.*)\)$", setup, re.MULTILINE)
+    assert match, "scripts/setup.sh no longer computes its install stamp as want=$(...)"
     return subprocess.run(
-        "cat scripts/setup.sh pyproject.toml services/*/pyproject.toml constraints.txt "
-        "| sha256sum | cut -d' ' -f1",
+        match.group(1),
         shell=True,
         cwd=root,
         capture_output=True,
