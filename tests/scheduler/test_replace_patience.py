@@ -104,9 +104,13 @@ class _Calls:
     """Records dispatches (worker, executor, parameter server named) instead of sending them."""
 
     dispatched: list[tuple[str, int, str]] = field(default_factory=list)
+    #: The trainer list of each dispatch to a parameter server, in order.
+    server_lists: list[list[str]] = field(default_factory=list)
 
     async def dispatch(self, worker_id: str, request: worker_pb2.DispatchJobRequest) -> None:
         self.dispatched.append((worker_id, int(request.executor), request.parameter_server_id))
+        if request.executor == common_pb2.EXECUTOR_KIND_PARAMETER_SERVER:
+            self.server_lists.append(sorted(request.trainer_ids))
 
     async def cancel(self, worker_id: str, job_id: str) -> None:
         return

@@ -112,6 +112,27 @@ async def test_parts_lost_together_never_end_up_on_one_worker(
         await runs.stop()
 
 
+async def test_a_lost_trainers_round_is_left_to_the_survivors_while_its_replacement_is_leased(
+    store: JobStore, tmp_path: Path
+) -> None:
+    # Prepare: no worker free, so t1's replacement waits on the market.
+    market = _Market()
+    run, runs, calls = await running_job(store, market, tmp_path, patience_s=20.0)
+    try:
+        # Execute: t1's lease is lost.
+        lose(run, runs, "t1")
+
+        # Assert: before any replacement, the server is told that t0 alone trains now (it stops
+        # waiting for t1's delta in the round in flight); then the replacement joins the list.
+        await eventually(lambda: calls.server_lists == [["t0"]], message="the server told t0 alone")
+        assert market.tries >= 1 and "t1" not in run.state.trainers
+        market.free.append("w9")
+        await eventually(lambda: calls.server_lists[-1:] == [["t0", "w9"]], message="w9 joins")
+        assert run.state.replacements_used == 1
+    finally:
+        await runs.stop()
+
+
 async def test_a_late_final_report_of_a_replaced_trainer_leaves_its_replacement_alone(
     store: JobStore, tmp_path: Path
 ) -> None:

@@ -211,6 +211,14 @@ class Cluster:
                     found[json.loads(line)["peer_id"]] = container
         return found
 
+    def worker_peer_ids(self) -> dict[str, str]:
+        """peer id -> container for every worker, the relay-only one too where its profile is up."""
+        services = ["worker", *(["worker-relay"] if "relay" in (self.compose.profiles or []) else [])]
+        found: dict[str, str] = {}
+        for service in services:
+            found.update(self.peer_ids(service))
+        return found
+
     def ready_name(self, container: str) -> str:
         """The certificate name the node in ``container`` serves as, from its ready line."""
         logs = subprocess.run(["docker", "logs", container], capture_output=True, text=True).stdout

@@ -71,7 +71,7 @@ SAMPLES_PER_ROUND = 2048
 TASK_SCRIPT = """
 import hashlib, pathlib, sys, time
 name = sys.argv[1]
-for step in range(12):
+for step in range(20):
     print("step", step, flush=True)
     time.sleep(1)
 data = b"".join(hashlib.sha256(f"{name}:{i}".encode()).digest() for i in range(4096))
@@ -96,7 +96,7 @@ class ComposeNodes(Protocol):
 
     def containers(self, service: str, all_states: bool = False) -> list[str]: ...
 
-    def peer_ids(self, service: str = "worker") -> dict[str, str]: ...
+    def worker_peer_ids(self) -> dict[str, str]: ...
 
     def inspect(self, container: str) -> dict[str, Any]: ...
 
@@ -352,7 +352,8 @@ class ChaosRun:
         ]
         if not peers:
             return None
-        by_peer = await asyncio.to_thread(self.nodes.peer_ids, "worker")
+        # A job may land on the relay-only worker too (the shared test cluster has one).
+        by_peer = await asyncio.to_thread(self.nodes.worker_peer_ids)
         mine = [by_peer[peer] for peer in peers if peer in by_peer]
         if not mine:
             return None
@@ -382,7 +383,8 @@ class ChaosRun:
         else:
             info = await asyncio.to_thread(self.nodes.inspect, container)
             networks = info["NetworkSettings"]["Networks"]
-            network = next(n for n in networks if n.endswith("_hypha"))
+            # A relay-only worker is on the edge network alone.
+            network = next(n for n in networks if n.endswith(("_hypha", "_edge")))
             address = networks[network]["IPAddress"]
             await asyncio.to_thread(_docker, "network", "disconnect", network, container)
             await asyncio.sleep(LONG_PARTITION_S if kind == "long-partition" else self.rng.uniform(1.5, 3.0))

@@ -89,10 +89,16 @@ def forget_trainer(run: DilocoOps, worker_id: str) -> Trainer | None:
 
 
 async def replace_trainer(run: DilocoOps, worker_id: str, why: str, *, lost: bool = False) -> None:
-    """A trainer is gone: its slices go back, a new worker takes its place at the current round.
+    """A trainer is gone: its slices go back, a new worker takes its place.
 
     ``lost``: its lease lapsed, so the worker is gone or cut off; it stops the
     execution itself when the lease ends, and nobody waits on a cancel call to it.
+
+    NOTE: where other trainers remain, the parameter server stops waiting for
+    the gone one's delta at once (``drop_from_round``): the round in flight
+    completes with the survivors' deltas (weighted by their samples) instead
+    of waiting for a replacement's lease and cold start, and the replacement
+    joins from the next round, as a trainer added by ``hypha scale`` does.
     """
     state = run.state
     trainer = forget_trainer(run, worker_id)
@@ -101,6 +107,8 @@ async def replace_trainer(run: DilocoOps, worker_id: str, why: str, *, lost: boo
     runs, store = run.runs, run.runs.store
     log.warning("job %s: %s", run.job_id, why)
     await run.release(trainer.lease, cancel=not lost)
+    # Beside the replacement's lease, never before it: a server being lost too would hold it up.
+    runs.spawn(drop_from_round(run, worker_id), f"drop trainer {worker_id} from the round")
     if state.replacements_used >= runs.jobs_cfg.max_replacements:
         state.end(False, f"{why}; no replacements left ({state.replacements_used} used)")
         return
@@ -151,4 +159,19 @@ async def replace_trainer(run: DilocoOps, worker_id: str, why: str, *, lost: boo
                 )
 
 
-__all__ = ["add_trainer", "forget_trainer", "lease_trainers", "replace_trainer"]
+async def drop_from_round(run: DilocoOps, worker_id: str) -> None:
+    """Tell the parameter server the remaining trainers, so it completes the round in flight
+    without ``worker_id``; a server that cannot be told now (it is being restored) hears the
+    list with the replacement's dispatch instead."""
+    state = run.state
+    if not state.trainers or not state.ps_started or state.over:
+        return  # a lone trainer's round can only be completed by its replacement
+    if state.ps is None or not run.holds(state.ps):
+        return  # the server is lost too: its restore dispatches the current list
+    try:
+        await update_ps(run)
+    except (grpc.aio.AioRpcError, HyphaError) as err:
+        log.info("job %s: the server was not told that %s left: %s", run.job_id, worker_id, describe(err))
+
+
+__all__ = ["add_trainer", "drop_from_round", "forget_trainer", "lease_trainers", "replace_trainer"]
