@@ -319,7 +319,9 @@ if __name__ == "__main__":
             parsed.jobs = parsed.jobs if jobs_given else 21
             parsed.faults = parsed.faults or 24
             parsed.rounds = parsed.rounds if parsed.rounds != parser.get_default("rounds") else 10
-        parsed.workers = parsed.workers if parsed.workers != parser.get_default("workers") else 6
+        # Two jobs at a time of three parts each, and two spares: a lost part's replacement
+        # starts at once rather than waiting for the killed container to come back.
+        parsed.workers = parsed.workers if parsed.workers != parser.get_default("workers") else 8
         compose_main(parsed)
     else:
         if parsed.quick:
