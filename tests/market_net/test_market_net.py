@@ -72,8 +72,12 @@ class Market:
         node = build_worker(settings, self.pki.tls(name))
         return await self._start(node)
 
-    async def scheduler(self, name: str, gateway: int = 0, **scheduler: Any) -> SchedulerNode:
-        self.pki.issue("scheduler", name)
+    async def scheduler(
+        self, name: str, gateway: int = 0, *, restart: bool = False, **scheduler: Any
+    ) -> SchedulerNode:
+        """``restart``: another process with the identity ``name`` already has (no new certificate)."""
+        if not restart:
+            self.pki.issue("scheduler", name)
         settings = SchedulerSettings(**self._base(name, gateway, None), scheduler=scheduler)
         node = build_scheduler(settings, self.pki.tls(name))
         return await self._start(node)
@@ -244,6 +248,33 @@ async def test_a_restarted_scheduler_takes_back_the_leases_it_held(market: Marke
         message="renewed past its first life",
     )
     assert worker.market.ledger.get(held.lease_id).state is LeaseState.ACTIVE
+
+
+async def test_a_restarted_scheduler_keeps_trying_a_worker_it_cannot_reach_for_a_while(
+    market: Market,
+) -> None:
+    # Prepare: a lease the first process held and forgot; then its worker cannot be reached at all.
+    worker = await market.worker("w-late")
+    first = await market.scheduler("s-late", lease_ttl_s=5.0)
+    await market.workers_listening(1)
+    (held,) = await first.market.allocate(TASK, 1)
+    addresses = first.market.worker_addresses(held.worker_id)
+    first.market.book.release(held.lease_id)  # forgotten, so its stop leaves the lease alone
+    await first.stop()
+    await worker.stop()
+    scheduler = await market.scheduler(
+        "s-late", restart=True, lease_ttl_s=5.0, rpc_timeout_s=0.3, adopt_patience_s=1.5
+    )
+
+    # Execute: the restarted process tries to take the lease back.
+    started = time.monotonic()
+    adopted = await scheduler.market.adopt(held, addresses, CAPACITY)
+
+    # Assert: it tried again (a path still coming up gets its chance) for the patience, not
+    # longer, and then gave up without holding anything.
+    assert adopted is None and held.lease_id not in scheduler.market.book
+    assert scheduler.market.stats["adopt_retries"] >= 1
+    assert 1.5 <= time.monotonic() - started < 10
 
 
 async def test_advertisements_from_non_schedulers_and_malformed_ones_are_counted(market: Market) -> None:

@@ -173,6 +173,13 @@ class SchedulerSection(BaseModel):
         10.0, gt=0, description="Lease life asked for on accept and renewal; leases are renewed at 2/3 of it."
     )
     rpc_timeout_s: float = Field(2.0, gt=0, description="Deadline of one accept, renew or release call.")
+    adopt_patience_s: float = Field(
+        15.0,
+        gt=0,
+        description="How long a restarted scheduler keeps trying to reach a worker to take back a lease "
+        "it held (its gateway link or the relay may not be up yet); the worker keeps such a lease, "
+        "lapsed, for its worker.jobs.reattach_grace_s.",
+    )
     connect_timeout_s: float = Field(
         2.0, gt=0, description="How long a direct connection to a worker may take before the relay is used."
     )

@@ -33,7 +33,7 @@ from hypha.v1 import common_pb2, worker_pb2
 log = logging.getLogger(__name__)
 
 #: Renewal refusals that mean the worker no longer has the lease (retrying cannot help).
-_GONE = frozenset(
+GONE = frozenset(
     {
         grpc.StatusCode.NOT_FOUND,
         grpc.StatusCode.FAILED_PRECONDITION,
@@ -148,7 +148,7 @@ class LeaseKeeper:
                     )
                 except (grpc.aio.AioRpcError, HyphaError) as err:
                     code = err.code() if isinstance(err, grpc.aio.AioRpcError) else err.status
-                    if code in _GONE:
+                    if code in GONE:
                         self._lose(lease, f"renewal refused: {describe(err)}")
                         return
                     self.stats["renewals_failed"] += 1

@@ -33,10 +33,11 @@ from hypha.market.arbiter import AdvertisementView
 from hypha.market.policies import BalancedPolicy, OfferView, SelectionPolicy, get_policy
 from hypha.market.pricing import PriceRange
 from hypha.market.resources import ExecutorKind, Requirements, Resources
+from hypha.net.backoff import Backoff
 from hypha.net.connector import PeerConnector
 from hypha.net.link import NodeLink
 from hypha.scheduler.config import SchedulerSection
-from hypha.scheduler.lease_keeper import LeaseEvent, LeaseEventKind, LeaseKeeper, LeaseTerms
+from hypha.scheduler.lease_keeper import GONE, LeaseEvent, LeaseEventKind, LeaseKeeper, LeaseTerms
 from hypha.scheduler.market_workers import KnownWorker, MarketWorkers
 from hypha.scheduler.offer_rounds import WIDEN, OfferRounds, sampled_share
 from hypha.scheduler.worker_calls import describe
@@ -337,18 +338,31 @@ class SchedulerMarket(Service):
     ) -> HeldLease | None:
         """Take back a lease a previous process of this scheduler held (same identity, so the
         worker honours it): renewed now and held from then on; None when the worker no longer
-        has it (it expired while nobody renewed it) or cannot be reached."""
+        has it (it expired while nobody renewed it) or cannot be reached.
+
+        NOTE: a worker that cannot be reached yet (this process's gateway link or the relay
+        still coming up) is tried again, with backoff, for ``adopt_patience_s``: the worker
+        keeps the lease lapsed for a while, and giving up at once would lease the part again
+        elsewhere while it still runs there.
+        """
         self._workers.learn(lease.worker_id, addresses, capacity)
-        try:
-            stub = await self._workers.stub(lease.worker_id)
-            renewed = await stub.RenewLease(
-                worker_pb2.RenewLeaseRequest(lease_id=lease.lease_id, lease_ttl_s=self.section.lease_ttl_s),
-                timeout=self.section.rpc_timeout_s,
-            )
-        except (grpc.aio.AioRpcError, HyphaError) as err:
-            log.info("lease %s on %s not taken back: %s", lease.lease_id, lease.worker_id, describe(err))
-            await self._workers.invalidate(lease.worker_id, err)
-            return None
+        deadline = self._clock() + self.section.adopt_patience_s
+        pause = Backoff(0.2, 2.0)
+        ask = worker_pb2.RenewLeaseRequest(lease_id=lease.lease_id, lease_ttl_s=self.section.lease_ttl_s)
+        while True:
+            try:
+                stub = await self._workers.stub(lease.worker_id)
+                renewed = await stub.RenewLease(ask, timeout=self.section.rpc_timeout_s)
+                break
+            except (grpc.aio.AioRpcError, HyphaError) as err:
+                code = err.code() if isinstance(err, grpc.aio.AioRpcError) else err.status
+                await self._workers.invalidate(lease.worker_id, err)
+                if code in GONE or self._clock() >= deadline:
+                    why = describe(err)
+                    log.info("lease %s on %s not taken back: %s", lease.lease_id, lease.worker_id, why)
+                    return None
+                self.stats["adopt_retries"] += 1
+                await asyncio.sleep(min(pause.next_delay(), max(0.0, deadline - self._clock())))
         held = replace(lease, expires_at=to_seconds(renewed.expires_at), ttl_s=self.section.lease_ttl_s)
         self._keeper.take_back(held)
         self.stats["adopted"] += 1
