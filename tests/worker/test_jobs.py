@@ -209,55 +209,47 @@ def _trainer(lease_id: str, *, attempt: int = 0, scheduler_id: str = "scheduler-
     )
 
 
-async def test_a_lapsed_lease_leaves_a_diloco_execution_to_its_restarted_scheduler(
+async def test_expired_lease_leaves_a_diloco_execution_to_its_restarted_scheduler(
     tmp_path: Path, link: FakeSchedulerLink
 ) -> None:
-    # Prepare: a trainer (a sleeper stands in for its program) under lease-a, a task under lease-t.
+    # Prepare: a trainer (a sleeper stands in for its program) and a task, under one lease.
     sleeper = [sys.executable, "-c", _SLEEP]
     async with _manager(
         tmp_path, link, reattach_grace_s=30.0, executor_commands={"diloco-trainer": sleeper}
     ) as manager:
         first = await manager.dispatch(_trainer("lease-a"))
-        await manager.dispatch(python_task("task", _SLEEP, lease_id="lease-t"))
+        await manager.dispatch(python_task("task", _SLEEP, lease_id="lease-a"))
 
-        # Execute: both leases run out; only the trainer's is kept (lapses); the scheduler
-        # comes back with a new lease and dispatches the job again.
-        grace = (manager.grace_for_lease("lease-a"), manager.grace_for_lease("lease-t"))
-        manager.lease_lapsed("lease-a")
-        stopped = await manager.cancel_jobs_for_lease("lease-t", "lease lease-t ended")
+        # Execute: the lease expires (nobody renewed it); the scheduler comes back with a new one.
+        stopped = await manager.cancel_jobs_for_lease("lease-a", "lease lease-a ended", expired=True)
         task = await manager.wait("task", 15)
         with pytest.raises(AlreadyExistsError):  # another scheduler cannot take it
             await manager.dispatch(_trainer("lease-x", scheduler_id="scheduler-2"))
         again = await manager.dispatch(_trainer("lease-b", attempt=3))
 
         # Assert: the task stopped; the trainer ran on and is the same execution, now under lease-b.
-        assert grace == (30.0, 0.0)
         assert stopped == ["task"] and task.state is ExecutionState.CANCELLED
         assert again.execution_id == first.execution_id and again.state is ExecutionState.RUNNING
-        assert await manager.cancel_jobs_for_lease("lease-a", "lease-a expired at last") == []
+        assert await manager.cancel_jobs_for_lease("lease-a", "again", expired=True) == []
         assert manager.get("t").state is ExecutionState.RUNNING  # lease-a is no longer its lease
         await manager.cancel("t", "done")
         await manager.wait("t", 15)
 
 
-async def test_a_lapsed_lease_renewed_by_its_scheduler_keeps_the_execution_past_the_grace(
+async def test_an_expired_lease_nobody_takes_back_stops_the_execution_after_the_grace(
     tmp_path: Path, link: FakeSchedulerLink
 ) -> None:
     sleeper = [sys.executable, "-c", _SLEEP]
     async with _manager(
-        tmp_path, link, reattach_grace_s=30.0, executor_commands={"diloco-trainer": sleeper}
+        tmp_path, link, reattach_grace_s=0.5, executor_commands={"diloco-trainer": sleeper}
     ) as manager:
         await manager.dispatch(_trainer("lease-a"))
-        manager.lease_lapsed("lease-a")
 
-        manager.lease_back("lease-a")
+        await manager.cancel_jobs_for_lease("lease-a", "lease lease-a ended", expired=True)
+        record = await manager.wait("t", 15)
 
-        # Taken back by a renewal: still running, and no longer waiting to be re-attached.
-        assert manager.get("t").state is ExecutionState.RUNNING
-        with pytest.raises(AlreadyExistsError):  # a second dispatch is not a take-back now
-            await manager.dispatch(_trainer("lease-b", attempt=3))
-        await manager.cancel("t", "done")
-        await manager.wait("t", 15)
+        assert record.state is ExecutionState.CANCELLED
+        assert "did not take the job back within 0.5 s" in record.message
 
 
 async def test_threads_share_the_cores_among_running_jobs(manager: JobManager, tmp_path: Path) -> None:

@@ -196,56 +196,6 @@ def test_an_expired_accepted_lease_is_ended_and_reported(harness: Harness) -> No
     assert harness.market.status().free == CAPACITY
 
 
-def test_an_overdue_lease_kept_for_its_holder_lapses_and_a_renewal_takes_it_back(harness: Harness) -> None:
-    # Prepare: two accepted leases; the work under the first may outlive a scheduler restart.
-    kept, plain = harness.offer("r1"), harness.offer("r2")
-    for decision in (kept, plain):
-        harness.market.accept_offer(decision.offer_id, "sched", ttl_s=5)
-    harness.market.hold_over = lambda lease: 20.0 if lease.lease_id == kept.lease_id else 0.0
-    lapsed: list[Lease] = []
-    back: list[Lease] = []
-    harness.market.on_lease_lapse.append(lapsed.append)
-    harness.market.on_lease_back.append(back.append)
-    harness.clock.now += 5
-
-    # Execute: both run out; 19 s later the holder renews the kept one.
-    lost = harness.market.prune()
-    free_while_lapsed = harness.market.status().free
-    harness.clock.now += 19
-    harness.market.prune()
-    with pytest.raises(PermissionDeniedError):
-        harness.market.renew_lease(kept.lease_id, "other", ttl_s=5)
-    renewed = harness.market.renew_lease(kept.lease_id, "sched", ttl_s=5)
-
-    # Assert: only the plain one ended; the kept one held its resources all along and is
-    # an ordinary active lease again, once: its lapse and its return were each told once.
-    assert [lease.lease_id for lease in lost] == [plain.lease_id]
-    assert free_while_lapsed == CAPACITY - harness.market.ledger.get(kept.lease_id).resources
-    assert [lease.lease_id for lease in lapsed] == [kept.lease_id] and lapsed[0].lapsed_at == T0 + 5
-    assert [lease.lease_id for lease in back] == [kept.lease_id]
-    assert renewed.state is LeaseState.ACTIVE and renewed.lapsed_at is None
-    assert renewed.expires_at == harness.clock.now + 5
-    assert harness.market.stats["leases_taken_back"] == 1
-
-
-def test_a_lapsed_lease_nobody_renews_expires_at_the_end_of_its_grace(harness: Harness) -> None:
-    decision = harness.offer("r1")
-    harness.market.accept_offer(decision.offer_id, "sched", ttl_s=5)
-    harness.market.hold_over = lambda lease: 20.0
-    harness.clock.now += 5
-    assert harness.market.prune() == []  # lapsed, not ended
-
-    harness.clock.now += 20
-    lost = harness.market.prune()
-
-    # Ended once, as expired, saying it had lapsed (the job manager's reason for the stop).
-    assert [lease.lease_id for lease in lost] == [decision.lease_id]
-    assert [(lease.state, lease.lapsed_at) for lease in harness.ended] == [(LeaseState.EXPIRED, T0 + 5)]
-    assert harness.market.status().free == CAPACITY
-    with pytest.raises(FailedPreconditionError, match="expired"):
-        harness.market.renew_lease(decision.lease_id, "sched", ttl_s=5)
-
-
 async def test_the_pruner_ends_leases_on_its_own(pki: Pki) -> None:
     # Prepare: a started market whose pruner runs every 10 ms, on a clock the test moves.
     clock = FakeClock(T0)

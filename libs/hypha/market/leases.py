@@ -7,12 +7,6 @@ the capacity, so nothing is ever promised twice. A lease starts *temporary*
 scheduler accepts it, is renewed while the scheduler keeps paying attention,
 and ends exactly once: *released* by its holder or *expired* by the pruner.
 
-An active lease that runs out while work under it may outlive a scheduler's
-restart can first *lapse* (``lapse``): it stays active, keeps its resources
-(that work still uses them) and is renewable by its holder until a grace
-deadline, so a restarted scheduler takes it back with one renewal; nobody
-else can. Unrenewed by then, it expires as any other.
-
 NOTE: time is wall-clock seconds passed in by the caller, as in Rust Hypha's
 leases crate: an expiry instant must mean the same thing on the worker and on
 the scheduler, which a process-local monotonic clock cannot give. Renewal means
@@ -94,8 +88,6 @@ class Lease:
     request_id: str = ""
     created_at: float = 0.0
     ended_at: float | None = None  #: when it was released or expired
-    #: when it ran out and was kept for its holder to take back (``LeaseLedger.lapse``)
-    lapsed_at: float | None = None
 
     @property
     def is_live(self) -> bool:
@@ -259,22 +251,7 @@ class LeaseLedger:
         transition(lease.state, LeaseState.ACTIVE)
         if lease.is_overdue(now):
             raise FailedPreconditionError(f"lease {lease_id!r} expired at {lease.expires_at}")
-        return self._put(replace(lease, expires_at=now + ttl_s, lapsed_at=None))
-
-    def lapse(self, lease_id: str, until: float, now: float) -> Lease:
-        """Keep an overdue active lease, resources and all, renewable by its holder until ``until``.
-
-        Its holder stopped renewing (a scheduler restarting, or cut off) while
-        work under it runs on: the resources stay counted as used, and a
-        renewal before ``until`` takes the lease back as if nothing happened.
-        A lease lapses once; after ``until`` ``expire_due`` ends it.
-        """
-        lease = self.get(lease_id)
-        if lease.state is not LeaseState.ACTIVE or not lease.is_overdue(now):
-            raise FailedPreconditionError(f"lease {lease_id!r} is not an overdue active lease")
-        if lease.lapsed_at is not None:
-            raise FailedPreconditionError(f"lease {lease_id!r} already lapsed at {lease.lapsed_at}")
-        return self._put(replace(lease, expires_at=max(until, now), lapsed_at=now))
+        return self._put(replace(lease, expires_at=now + ttl_s))
 
     def release(self, lease_id: str, holder: str, now: float) -> Lease:
         """Give a live lease back; its resources return to the pool now."""

@@ -127,18 +127,10 @@ def build(settings: WorkerSettings, tls: TlsMaterial) -> WorkerNode:
     servicer = WorkerServicer(market, settings.name, jobs, manager.result_of)
 
     async def lease_ended(lease: Lease) -> None:
-        reason = f"lease {lease.lease_id} ended"
-        if lease.state is LeaseState.EXPIRED and lease.lapsed_at is not None:
-            reason = (
-                f"lease {lease.lease_id} expired and its scheduler did not take the job back "
-                f"within {cfg.jobs.reattach_grace_s:g} s"
-            )
-        await manager.cancel_jobs_for_lease(lease.lease_id, reason)
+        expired = lease.state is LeaseState.EXPIRED
+        await manager.cancel_jobs_for_lease(lease.lease_id, f"lease {lease.lease_id} ended", expired=expired)
 
     market.on_lease_end.append(lease_ended)
-    market.hold_over = lambda lease: manager.grace_for_lease(lease.lease_id)
-    market.on_lease_lapse.append(lambda lease: manager.lease_lapsed(lease.lease_id))
-    market.on_lease_back.append(lambda lease: manager.lease_back(lease.lease_id))
     bindings = [(add_worker_servicer, servicer, "hypha.v1.Worker")]
     node = WorkerNode.from_settings(settings, tls, bindings, grace_s=cfg.grace_s)
     market.addresses = lambda: node.addresses

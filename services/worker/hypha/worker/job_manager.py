@@ -10,8 +10,8 @@ For each ``DispatchJob`` the manager
 3. has its ``supervisor`` start the executor's process group in the sandbox
    and watch it (timeout, completion marker, the memory and disk its lease
    grants: ``lease_limits``), and stop it on cancellation or
-   lease expiry (a DiLoCo execution's lease lapses first and waits
-   ``reattach_grace_s`` for its restarted scheduler: ``grace_for_lease``);
+   lease expiry (a DiLoCo execution waits ``reattach_grace_s`` for its
+   restarted scheduler first);
 4. when the supervisor has settled the final state, reports it to the
    scheduler, keeps the result dir, frees the GPU slots and cleans up the
    work dir per policy.
@@ -240,48 +240,42 @@ class JobManager(Service):
             hit = True
         return hit
 
-    def grace_for_lease(self, lease_id: str) -> float:
-        """How long the lease should be kept once it runs out: ``reattach_grace_s`` while a
-        running DiLoCo execution is under it (its scheduler may be restarting), else 0."""
-        grace_s = self.settings.reattach_grace_s
-        under = (e for e in self._active.values() if e.dispatch.lease_id == lease_id)
-        return grace_s if any(e.dispatch.profile.reattachable for e in under) else 0.0
-
-    def lease_lapsed(self, lease_id: str) -> None:
-        """The lease ran out and is kept for its holder: its executions run on, waiting."""
-        grace_s = self.settings.reattach_grace_s
-        for execution in self._under(lease_id):
-            execution.orphaned = lease_id
-            line = (
-                f"lease {lease_id} expired: its scheduler is away; "
-                f"running on up to {grace_s:g} s for it to take the job back"
-            )
-            execution.logs.line("system", line)
-            log.info("job %s (%s) %s", execution.dispatch.job_id, execution.dispatch.executor.value, line)
-
-    def lease_back(self, lease_id: str) -> None:
-        """The lapsed lease was renewed by its holder: its executions carry on as before."""
-        for execution in self._under(lease_id):
-            if execution.orphaned == lease_id:
-                execution.orphaned = ""
-                line = f"taken back by its scheduler: lease {lease_id} renewed"
-                execution.logs.line("system", line)
-                log.info("job %s (%s) %s", execution.dispatch.job_id, execution.dispatch.executor.value, line)
-
-    def _under(self, lease_id: str) -> list[Execution]:
-        return [e for e in self._active.values() if e.dispatch.lease_id == lease_id]
-
-    async def cancel_jobs_for_lease(self, lease_id: str, reason: str) -> list[str]:
+    async def cancel_jobs_for_lease(self, lease_id: str, reason: str, *, expired: bool = False) -> list[str]:
         """The lease side's hook: a lease ended, so every job under it stops. Returns their ids.
 
-        An execution that a restarted scheduler took back under a new lease
-        (``execution.is_reattach``) is no longer under this one and runs on.
+        ``expired`` (nobody renewed it, rather than its holder releasing it): a
+        DiLoCo execution keeps running for ``reattach_grace_s`` in case its
+        scheduler is restarting, and stops then unless it was taken back
+        (``execution.is_reattach``); it is not among the ids returned.
         """
         stopped = []
-        for execution in self._under(lease_id):
+        grace_s = self.settings.reattach_grace_s
+        for execution in list(self._active.values()):
+            if execution.dispatch.lease_id != lease_id:
+                continue
+            if expired and grace_s > 0 and execution.dispatch.profile.reattachable:
+                execution.orphaned = lease_id
+                line = (
+                    f"lease {lease_id} expired: its scheduler is away; "
+                    f"running on up to {grace_s:g} s for it to take the job back"
+                )
+                execution.logs.line("system", line)
+                log.info("job %s (%s) %s", execution.dispatch.job_id, execution.dispatch.executor.value, line)
+                execution.helper(self._end_orphan(execution, lease_id, grace_s), "orphan")
+                continue
             self.supervisor.stop(execution, StopCause.CANCEL, reason or f"lease {lease_id} ended")
             stopped.append(execution.dispatch.job_id)
         return stopped
+
+    async def _end_orphan(self, execution: Execution, lease_id: str, grace_s: float) -> None:
+        """Stop an execution whose expired lease nobody took back within ``grace_s``."""
+        if await execution.exited_within(grace_s) or execution.orphaned != lease_id:
+            return
+        self.supervisor.stop(
+            execution,
+            StopCause.CANCEL,
+            f"lease {lease_id} expired and its scheduler did not take the job back within {grace_s:g} s",
+        )
 
     def get(self, job_id: str) -> ExecutionRecord:
         """The job's execution here: a live one first, else the latest finished; NotFoundError if none."""

@@ -107,10 +107,9 @@ class JobsSection(BaseModel):
     reattach_grace_s: float = Field(
         60.0,
         ge=0,
-        description="How long the lease of a running DiLoCo execution is kept once it ran out (its "
-        "scheduler is away, e.g. restarting): lapsed, its resources held, the execution running, "
-        "renewable by that scheduler alone; 0 ends it at once. Task executions always stop when "
-        "their lease ends.",
+        description="How long a DiLoCo execution whose lease expired (its scheduler is away, e.g. "
+        "restarting) keeps running for that scheduler to take it back; 0 stops it at once. "
+        "Task executions always stop when their lease ends.",
     )
     default_task_timeout_s: float | None = Field(
         None, gt=0, description="Timeout of task jobs whose spec sets none (none: no timeout)."

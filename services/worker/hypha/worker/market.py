@@ -23,13 +23,7 @@ too, so that every change of the ledger happens in one place and one event
 loop (the ledger is single-writer). A pruner ends expired leases every
 ``prune_interval_s`` and reports the leases that had been accepted to the
 ``on_lease_end`` callbacks (the job manager cancels the jobs under them);
-releases by the holder are reported the same way. An overdue lease whose
-work could outlive its scheduler's restart (``hold_over``: a DiLoCo
-execution, for ``reattach_grace_s``) lapses first instead: it keeps its
-resources, the ``on_lease_lapse`` callbacks hear of it, and a renewal by its
-holder within the grace takes it back (``on_lease_back``); only then does it
-expire. So a scheduler back from a restart slower than a lease takes every
-lease back with one renewal, and nothing is offered twice meanwhile.
+releases by the holder are reported the same way.
 """
 
 from __future__ import annotations
@@ -62,8 +56,6 @@ log = logging.getLogger(__name__)
 
 #: Told about every accepted lease that ended (expired or released by its holder).
 LeaseEndCallback = Callable[[Lease], Awaitable[None] | None]
-#: Told about a lease that lapsed (kept for its holder) or was taken back by its holder.
-LeaseNoticeCallback = Callable[[Lease], None]
 
 
 def arbiter_config(section: WorkerSection) -> ArbiterConfig:
@@ -108,10 +100,6 @@ class WorkerMarket(Service):
         self.arbiter = Arbiter(self.ledger, arbiter_config(section))
         self.stats: Counter[str] = Counter()
         self.on_lease_end: list[LeaseEndCallback] = []
-        self.on_lease_lapse: list[LeaseNoticeCallback] = []
-        self.on_lease_back: list[LeaseNoticeCallback] = []
-        #: How long an overdue lease is kept for its holder (the work under it); 0: it expires.
-        self.hold_over: Callable[[Lease], float] = lambda lease: 0.0
         #: Where this worker can be called directly (told to schedulers in offers).
         self.addresses = addresses
         self._clock = clock
@@ -176,13 +164,7 @@ class WorkerMarket(Service):
         return True
 
     def renew_lease(self, lease_id: str, holder: str, ttl_s: float) -> Lease:
-        lapsed = self.ledger.get(lease_id).lapsed_at is not None
-        lease = self.ledger.renew(lease_id, holder, ttl_s or self.section.lease_ttl_s, self._clock())
-        if lapsed:
-            self.stats["leases_taken_back"] += 1
-            log.info("lease %s of %s taken back by its holder", lease_id, holder)
-            self._notify(self.on_lease_back, lease)
-        return lease
+        return self.ledger.renew(lease_id, holder, ttl_s or self.section.lease_ttl_s, self._clock())
 
     def release_lease(self, lease_id: str, holder: str) -> bool:
         """False when the lease had already ended (a retried release)."""
@@ -310,22 +292,8 @@ class WorkerMarket(Service):
             self.prune()
 
     def prune(self) -> list[Lease]:
-        """End every overdue lease now, except those kept for their holder (``hold_over``);
-        returns those ended that had been accepted."""
+        """End every overdue lease now; returns those that had been accepted."""
         now = self._clock()
-        for lease in self.ledger.active():
-            if lease.is_overdue(now) and lease.lapsed_at is None:
-                grace_s = self.hold_over(lease)
-                if grace_s > 0:
-                    kept = self.ledger.lapse(lease.lease_id, now + grace_s, now)
-                    self.stats["leases_lapsed"] += 1
-                    log.info(
-                        "lease %s of %s expired; kept %g s for its holder: the work under it runs on",
-                        lease.lease_id,
-                        lease.holder,
-                        grace_s,
-                    )
-                    self._notify(self.on_lease_lapse, kept)
         accepted = {lease.lease_id for lease in self.ledger.active() if lease.is_overdue(now)}
         ended = self.ledger.expire_due(now)
         lost = [lease for lease in ended if lease.lease_id in accepted]
@@ -335,14 +303,6 @@ class WorkerMarket(Service):
             log.info("lease %s of %s expired", lease.lease_id, lease.holder)
             self._report(lease)
         return lost
-
-    @staticmethod
-    def _notify(callbacks: list[LeaseNoticeCallback], lease: Lease) -> None:
-        for callback in list(callbacks):
-            try:
-                callback(lease)
-            except Exception:
-                log.exception("lease callback failed for %s", lease.lease_id)
 
     def _report(self, lease: Lease) -> None:
         for callback in list(self.on_lease_end):

@@ -10,17 +10,14 @@ rebuilds the run:
   rounds and the newest kept parameter-server state come back from disk;
   a growth cut short by the restart goes on, a shrink waits for the next round;
 - every saved lease is taken back (``SchedulerMarket.adopt``: one renewal,
-  which the worker honours because the holder's identity is the same). One
-  that ran out while the scheduler was away has lapsed on its worker, which
-  keeps it, resources and running execution included, renewable by its
-  holder for ``worker.jobs.reattach_grace_s`` (``hypha.worker.market``): the
-  same renewal takes it back;
-- a lease that is gone (its worker died, or the grace passed) is leased
-  again through the market: the parameter server as when it is lost
+  which the worker honours because the holder's identity is the same);
+- a lease that is gone (it expired while nobody renewed it) is leased again
+  through the market: the parameter server as when it is lost
   (``ps_recovery``: the kept state is pushed), a trainer preferably on its
-  own worker (``_retake_trainer``), else replaced. A worker still running
-  the execution re-attaches it when this scheduler dispatches the job to it
-  again, whatever the lease (``hypha.worker.execution.is_reattach``);
+  own worker (``_retake_trainer``), else replaced. Workers keep such
+  executions alive for ``worker.jobs.reattach_grace_s`` and re-attach them
+  when this scheduler dispatches the job to them again, whatever the lease
+  (``hypha.worker.execution.is_reattach``);
 - executions whose lease was taken back are not dispatched again: they never
   stopped, and their reports reach this scheduler at the same address.
   A parameter server that ended while nobody listened is asked once
