@@ -115,15 +115,35 @@ num_workers = 2
 
 
 #: The scheduler's audit line for each slice a trainer finished (DEBUG level).
-SLICE_AUDIT = re.compile(r"job (\S+): slice (\d+) used in epoch (\d+) by")
+SLICE_AUDIT = re.compile(r"job (\S+): slice (\d+) used in epoch (\d+) by (\S+)")
+#: The line each scheduler process logs before it handles any call: a log may hold several.
+SCHEDULER_START = re.compile(r"hypha\.net\.server: listening on ")
 
 
 def slice_uses(scheduler_log: str, job_id: str | None = None) -> dict[tuple[str, int], list[int]]:
-    """(job, epoch) -> slice indices marked used, in order, from a scheduler's DEBUG log."""
+    """(job, epoch) -> slice indices marked used, in order, from a scheduler's DEBUG log.
+
+    NOTE: a process killed between marking a slice used and saving that lost the mark;
+    the trainer reports the slice again to the restarted process, which logs it again.
+    That repeat (same slice, epoch and trainer, in a later process) is the same use and
+    counted once; a repeat within one process or by another trainer is a second use.
+    """
     used: dict[tuple[str, int], list[int]] = {}
-    for match in SLICE_AUDIT.finditer(scheduler_log):
-        if job_id is None or match.group(1) == job_id:
-            used.setdefault((match.group(1), int(match.group(3))), []).append(int(match.group(2)))
+    seen: dict[tuple[str, int, int], tuple[int, str]] = {}
+    process = 0
+    for line in scheduler_log.splitlines():
+        if SCHEDULER_START.search(line):
+            process += 1
+            continue
+        match = SLICE_AUDIT.search(line)
+        if match is None or (job_id is not None and match.group(1) != job_id):
+            continue
+        job, index, epoch, worker = match.group(1), int(match.group(2)), int(match.group(3)), match.group(4)
+        before = seen.get((job, epoch, index))
+        if before is not None and before[0] < process and before[1] == worker:
+            continue
+        seen[(job, epoch, index)] = (process, worker)
+        used.setdefault((job, epoch), []).append(index)
     return used
 
 
