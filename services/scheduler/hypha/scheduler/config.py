@@ -177,8 +177,8 @@ class SchedulerSection(BaseModel):
         15.0,
         gt=0,
         description="How long a restarted scheduler keeps trying to reach a worker to take back a lease "
-        "it held (its gateway link or the relay may not be up yet); the worker keeps such a lease, "
-        "lapsed, for its worker.jobs.reattach_grace_s.",
+        "it held (its gateway link or the relay may not be up yet); a lease the worker has ended is "
+        "given up at once.",
     )
     connect_timeout_s: float = Field(
         2.0, gt=0, description="How long a direct connection to a worker may take before the relay is used."

@@ -341,9 +341,9 @@ class SchedulerMarket(Service):
         has it (it expired while nobody renewed it) or cannot be reached.
 
         NOTE: a worker that cannot be reached yet (this process's gateway link or the relay
-        still coming up) is tried again, with backoff, for ``adopt_patience_s``: the worker
-        keeps the lease lapsed for a while, and giving up at once would lease the part again
-        elsewhere while it still runs there.
+        still coming up) is tried again, with backoff, for ``adopt_patience_s`` while the lease
+        may still be live there: giving up at once would lease the part again elsewhere while
+        it still runs there. An answer that the lease is gone (``GONE``) ends it at once.
         """
         self._workers.learn(lease.worker_id, addresses, capacity)
         deadline = self._clock() + self.section.adopt_patience_s
