@@ -60,8 +60,7 @@ def summary(rates: dict[str, dict[str, Any]], target: float, fastest: str) -> di
         "utilization_20mbit": _ours(rates, "20mbit", "utilization"),
         "bytes_ratio": bytes_ratio(rates, "20mbit", DEFAULT),
         "bytes_ratio_int8": bytes_ratio(rates, "20mbit", "int8"),
-        # No job setting compresses θ_global on its way down yet: int8 is Δ up only.
-        "bytes_ratio_compressed": None,
+        "bytes_ratio_compressed": bytes_ratio(rates, "20mbit", "compressed"),
         "bytes_ratio_is": (
             "at 20mbit: data parallel's bytes per rank (veth counters, both directions) at equal "
             "samples ÷ ours per trainer (its link's counters over the job: Δ up, θ_global and "

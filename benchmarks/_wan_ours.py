@@ -12,9 +12,11 @@ is over, and stops the cluster; this process then scores each kept θ on held-ou
 (``demo_eval.score``, greedy exact match) after the job, so scoring costs the training no CPU.
 
 Variants (``VARIANTS``): ``fp32`` (the job's defaults), ``int8`` (Δ up in int8 with error
-feedback; θ_global comes down in fp32: no job setting compresses it), ``overlap``
-(``overlap_sync``), ``streaming`` (2 fragments, half the samples a round and twice the
-rounds: the same inner steps between two syncs of a fragment, the same samples in all).
+feedback; θ_global comes down in fp32), ``compressed`` (int8 both ways: ``update_dtype =
+"int8"`` sends each round's change of θ_global in int8), ``overlap`` (``overlap_sync``),
+``slow-link`` (int8 both ways and ``overlap_sync``), ``streaming`` (2 fragments, half the
+samples a round and twice the rounds: the same inner steps between two syncs of a fragment,
+the same samples in all).
 
 Figures per rate, each ``{variant: median over --repeats runs}``:
 ``ours_time_to_target_s``, submit to the write of the first θ_global at or above the target
@@ -52,7 +54,9 @@ SCRIPT = Path(__file__).resolve()
 VARIANTS: dict[str, tuple[str, int, int]] = {
     "fp32": ("", 50, 1),
     "int8": ('delta_dtype = "int8"', 50, 1),
+    "compressed": ('delta_dtype = "int8"\nupdate_dtype = "int8"', 50, 1),
     "overlap": ("overlap_sync = true", 50, 1),
+    "slow-link": ('delta_dtype = "int8"\nupdate_dtype = "int8"\noverlap_sync = true', 50, 1),
     "streaming": ("streaming_fragments = 2", 25, 2),
 }
 #: Jobs get one torch thread, as each data-parallel rank has.

@@ -2,7 +2,8 @@
 per-step data parallel, on the same links (issue 30).
 
     python benchmarks/wan.py [--quick] [--json] [--rates unlimited,1gbit,100mbit,20mbit] [--steps N]
-        [--rounds N] [--variants fp32,int8,overlap,streaming] [--target 0.9] [--eval-every N]
+        [--rounds N] [--variants fp32,int8,compressed,overlap,slow-link,streaming] [--target 0.9]
+        [--eval-every N]
         [--repeats N] [--curve-steps N] [--plot PNG]
 
 Each rate gets a fresh link lab (``hypha.testing.wan``): a hub namespace and one site

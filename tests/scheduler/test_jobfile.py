@@ -156,6 +156,11 @@ def test_job_table_gets_defaults_for_what_it_leaves_out() -> None:
         DILOCO.replace("max_batch_size = 16", "max_batch_size = 16\noverlap_sync = true")
     )
     assert overlapped.diloco.overlap_sync
+    assert d.update_dtype == common_pb2.DELTA_DTYPE_FP32  # θ_global itself comes down
+    compressed = parse_job_toml(
+        DILOCO.replace("max_batch_size = 16", 'max_batch_size = 16\nupdate_dtype = "INT8"')
+    )
+    assert compressed.diloco.update_dtype == common_pb2.DELTA_DTYPE_INT8
     assert d.worker_price.bid == 0 and d.worker_price.max == 0  # 0: the scheduler's default
 
 
@@ -218,6 +223,7 @@ def test_malformed_resources_name_the_dotted_key(resources: str, expected: str) 
         (("max_batch_size = 16", "quorum = 2.0"), "job.quorum: must be in (0, 1]"),
         (("max_batch_size = 16", 'delta_dtype = "int4"'), "job.delta_dtype: unknown dtype"),
         (("max_batch_size = 16", "delta_topk = 1.5"), "job.delta_topk: must be 0 (off) or in"),
+        (("max_batch_size = 16", 'update_dtype = "int4"'), "job.update_dtype: unknown dtype 'int4'"),
         (("max_batch_size = 16", 'delta_topk = "half"'), "job.delta_topk: must be a number"),
         (
             ("max_batch_size = 16", "streaming_fragments = 5000"),

@@ -75,6 +75,12 @@ def diloco_table(table: Table) -> common_pb2.DilocoJobSpec:
         raise bad(table.key("delta_dtype"), f"unknown dtype {dtype!r} (valid: {', '.join(DELTA_DTYPES)})")
     d.delta_dtype = DELTA_DTYPES[dtype]
     d.delta_topk = table.number("delta_topk", 0.0)
+    update_dtype = table.string("update_dtype", "fp32").lower()
+    if update_dtype not in DELTA_DTYPES:
+        raise bad(
+            table.key("update_dtype"), f"unknown dtype {update_dtype!r} (valid: {', '.join(DELTA_DTYPES)})"
+        )
+    d.update_dtype = DELTA_DTYPES[update_dtype]
     d.streaming_fragments = table.integer("streaming_fragments", 0)
     d.overlap_sync = table.boolean("overlap_sync", False)
     d.quorum = table.number("quorum", Defaults.QUORUM)
@@ -272,6 +278,8 @@ def check_diloco(d: common_pb2.DilocoJobSpec, key: Callable[[str], str]) -> None
         raise bad(key("gpu_memory_per_sample_gb"), "must not be negative")
     if d.delta_dtype not in DELTA_DTYPES.values():
         raise bad(key("delta_dtype"), "unknown dtype")
+    if d.update_dtype and d.update_dtype not in DELTA_DTYPES.values():
+        raise bad(key("update_dtype"), "unknown dtype")
     if d.delta_topk != 0.0 and not MIN_DELTA_TOPK <= d.delta_topk <= 1.0:
         raise bad(key("delta_topk"), f"must be 0 (off) or in [{MIN_DELTA_TOPK}, 1]")
     if d.streaming_fragments > MAX_STREAMING_FRAGMENTS:

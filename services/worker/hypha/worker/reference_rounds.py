@@ -188,7 +188,7 @@ class ReferenceRounds:
                 self._log(f"no update for the final round {sent.round}; announcing an empty one")
                 blob = await asyncio.to_thread(zero_update, sent.layout)
             else:
-                theta_new = await asyncio.to_thread(_decoded, payload)
+                theta_new = await asyncio.to_thread(_decoded, payload, before)
                 blob = await asyncio.to_thread(update_file, theta_new, before, sent.layout)
                 self._theta = {**before, **theta_new}
             staged = self.ctx.work_dir / STAGING / f"update-{sent.round:08d}.safetensors"
@@ -232,16 +232,23 @@ class ReferenceRounds:
         return None
 
 
-def _decoded(payload: TensorPayload) -> dict[str, torch.Tensor]:
-    """A pulled θ_global in fp32; a payload spooled to disk is removed once read."""
+def _decoded(payload: TensorPayload, held: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """A pulled θ_global in fp32 (from ``held`` and the change, when the job's ``update_dtype``
+    sends changes: this side pulls every round's update in order, so ``held`` is their base);
+    a payload spooled to disk is removed once read."""
+    from hypha.diloco.updates import apply_change, change_base
     from hypha.worker.reference_tensors import decode_global
 
     if payload.path is None:
-        return decode_global(payload.data)
-    try:
-        return decode_global(payload.path.read_bytes())
-    finally:
-        payload.release()
+        data = payload.data
+    else:
+        try:
+            data = payload.path.read_bytes()
+        finally:
+            payload.release()
+    if held is not None and change_base(data) is not None:
+        return apply_change(data, held)
+    return decode_global(data)
 
 
 def write_private(path: Path, data: bytes) -> Path:

@@ -52,10 +52,19 @@ _DELTA_DTYPES = {
 
 
 def delta_wire_dtype(spec: common_pb2.DilocoJobSpec) -> str:
+    return _dtype_name(spec.delta_dtype, "delta")
+
+
+def update_wire_dtype(spec: common_pb2.DilocoJobSpec) -> str:
+    """How each round's update comes down (``update_dtype``; fp32: θ_global itself)."""
+    return _dtype_name(spec.update_dtype, "update")
+
+
+def _dtype_name(value: common_pb2.DeltaDType, what: str) -> str:
     try:
-        return _DELTA_DTYPES[spec.delta_dtype]
+        return _DELTA_DTYPES[value]
     except KeyError:
-        raise InvalidArgumentError(f"unknown delta dtype {spec.delta_dtype}") from None
+        raise InvalidArgumentError(f"unknown {what} dtype {value}") from None
 
 
 def delta_encoder(spec: common_pb2.DilocoJobSpec) -> DeltaEncoder:

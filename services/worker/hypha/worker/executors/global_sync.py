@@ -14,17 +14,25 @@ the parameter server sent and moves the tensors, through a
   (r mod F) and its Δ, with the samples since its last sync, and sends it in
   a background task that returns the fragment's new θ_global;
   ``merge_fragment`` merges that into the model (``rebase_fragment``).
+
+An update is θ_global itself, or (``update_dtype`` other than fp32,
+``hypha.diloco.updates``) its change since the θ_global of the round it names,
+added to the one held here. A trainer that holds θ_global of another round
+(it missed an update) fetches the next round's θ_global whole instead: adding
+a change to the wrong base would leave it on a θ_global nobody else holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from hypha.diloco.streaming import fragments_for, rebase_fragment
+from hypha.diloco.updates import apply_change, change_base
 from hypha.tensors.deltas import DeltaEncoder
 from hypha.tensors.payload import read_metadata
 from hypha.worker.executors.bridge_api import GLOBAL, GLOBAL_ROUND_KEY
@@ -36,6 +44,8 @@ from hypha.worker.executors.inner_steps import (
     parameter_state,
 )
 from hypha.worker.executors.ps_link import ParameterServerLink
+
+logger = logging.getLogger("hypha.worker.executors.global_sync")
 
 #: What a fragment's exchange returns: its new θ_global (None: the final round's, not
 #: served) and the Δ's size in bytes.
@@ -58,6 +68,8 @@ class GlobalSync:
         self.encoder = encoder
         self.work_dir = work_dir
         self.theta_global: dict[str, torch.Tensor] = parameter_state(model)
+        #: The global round of ``theta_global`` (θ_global after that many rounds).
+        self.global_round = 0
         #: Streaming fragments (parameter names), None for whole-model rounds.
         self.fragments = fragments_for(self.theta_global, streaming_fragments)
         if self.fragments is None and overlap:
@@ -73,7 +85,9 @@ class GlobalSync:
         apply_global(model, params)
         self.theta_global = params
         meta_round = read_metadata(data).get(GLOBAL_ROUND_KEY)
-        return int(meta_round) if meta_round is not None and meta_round.isdigit() else None
+        joined = int(meta_round) if meta_round is not None and meta_round.isdigit() else None
+        self.global_round = round_number if joined is None else joined
+        return joined
 
     async def sync_model(self, model: nn.Module, round_number: int, samples: int, *, final: bool) -> int:
         """Send Δ (when ``samples``), wait for the round's update and set the model to it; Δ's size."""
@@ -91,7 +105,7 @@ class GlobalSync:
         resend = None if delta_path is None else (delta_path, samples)
         data = await self.link.fetch_update(round_number, resend=resend, final=final)
         if data is not None:
-            params = decode_global(data, self.theta_global)
+            params = await self._updated(data, round_number, list(self.theta_global))
             apply_global(model, params)
             self.theta_global = params
         if delta_path is not None:
@@ -140,11 +154,34 @@ class GlobalSync:
                 path.unlink(missing_ok=True)
         if data is None:
             return None, size
-        return decode_global(data, {n: self.theta_global[n] for n in names}), size
+        return await self._updated(data, round_number, names), size
+
+    async def _updated(self, data: bytes, round_number: int, names: list[str]) -> dict[str, torch.Tensor]:
+        """Round ``round_number``'s new θ_global of ``names`` (of every tensor when θ_global had to be
+        fetched whole)."""
+        base = change_base(data)
+        if base is None:
+            params = decode_global(data, {n: self.theta_global[n] for n in names})
+        elif base == self.global_round:
+            params = await asyncio.to_thread(apply_change, data, {n: self.theta_global[n] for n in names})
+        else:
+            logger.warning(
+                "the update of round %d applies to θ_global of round %d, this trainer holds round %d's: "
+                "fetching θ_global whole",
+                round_number,
+                base,
+                self.global_round,
+            )
+            whole = await self.link.fetch(GLOBAL, round_number + 1, resend=None)
+            params = decode_global(whole, self.theta_global)
+        self.global_round = round_number + 1
+        return params
 
     def merge_fragment(
         self, model: nn.Module, sent: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
     ) -> None:
-        """Merge a fragment's new θ_global into the model, keeping the steps taken since ``sent``."""
-        rebase_fragment(dict(model.named_parameters()), sent, params)
+        """Merge a fragment's new θ_global into the model, keeping the steps taken since ``sent``
+        (since the θ_global held, for tensors outside the fragment: θ_global fetched whole)."""
+        reference = {n: sent[n] if n in sent else self.theta_global[n] for n in params}
+        rebase_fragment(dict(model.named_parameters()), reference, params)
         self.theta_global.update(params)

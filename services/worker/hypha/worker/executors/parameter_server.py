@@ -43,6 +43,10 @@ Decisions (NOTE):
   r mod F only, the core steps that fragment's outer optimizer, and round r's
   "update" holds only that fragment's new θ_global (1/F of the bytes back too);
   "global" stays the whole θ_global (for joining trainers and the result).
+- ``update_dtype`` other than fp32: round r's "update" is the change of
+  θ_global over the round, encoded (``hypha.diloco.updates``), and θ_global is
+  set to what the trainers rebuild from it *before* the round's state is
+  written, so the checkpoint, "global" and every trainer agree bit for bit.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from hypha.diloco.outer import NesterovOuter
 from hypha.diloco.rounds import DeltaReceipt
 from hypha.diloco.server_core import ParameterServerCore, RoundUpdate
 from hypha.diloco.streaming import fragments_for
+from hypha.diloco.updates import UpdateEncoder
 from hypha.errors import (
     AlreadyExistsError,
     FailedPreconditionError,
@@ -78,7 +83,13 @@ from hypha.errors import (
 from hypha.tensors.payload import decode_state, encode_state
 from hypha.worker.executors import process
 from hypha.worker.executors.bridge_api import DELTA, GLOBAL, GLOBAL_ROUND_KEY, UPDATE, Bridge, Received
-from hypha.worker.executors.diloco_settings import diloco_spec, has_preprocessor, outer_settings, quorum
+from hypha.worker.executors.diloco_settings import (
+    diloco_spec,
+    has_preprocessor,
+    outer_settings,
+    quorum,
+    update_wire_dtype,
+)
 from hypha.worker.executors.inner_steps import apply_global, parameter_state
 
 logger = logging.getLogger("hypha.worker.executors.parameter_server")
@@ -116,6 +127,8 @@ class ParameterServer:
         #: Every completed round's outcome since this process started, in order.
         self.updates: list[RoundUpdate] = []
         self.result_dir: Path | None = None
+        #: The codec of each round's update when it comes down as a change (``update_dtype``).
+        self.downlink: UpdateEncoder | None = None
 
     async def run(self) -> int:
         """Serve the job's rounds, then publish the result; the process exit code."""
@@ -181,6 +194,11 @@ class ParameterServer:
                 fragments=fragments_for(self.template, int(self.spec.streaming_fragments)),
             )
         self.core = core
+        update_dtype = update_wire_dtype(self.spec)
+        if update_dtype != "fp32":
+            # A restart starts with no residual (hypha.diloco.updates): what the trainers hold is
+            # the checkpoint's θ_global, re-published whole below.
+            self.downlink = UpdateEncoder(update_dtype, core.outer.parameters())
         if core.fragments is not None:
             logger.info("streaming DiLoCo: %d fragments, one synced per round", len(core.fragments))
         path = await asyncio.to_thread(self._write_theta, core.round_number, core.outer.parameters())
@@ -234,6 +252,10 @@ class ParameterServer:
         update = core.maybe_complete(self.options.clock())
         if update is None:
             return None
+        change = None
+        if self.downlink is not None:
+            # Before the state is written: θ_global becomes what the trainers rebuild.
+            change = await asyncio.to_thread(self._write_change, update)
         # Both copies of the round's state must be durable before its update goes out: the
         # state is written once, as a pack file in the checkpoint directory; it is committed
         # there (a restarted process resumes from it; fsyncs and a sha256), and the new
@@ -270,7 +292,9 @@ class ParameterServer:
             await asyncio.wait([saving, theta])  # never leave a thread behind
         saving.result()  # a failed local checkpoint fails the server before the update leaves
         path = update_path = theta.result()
-        if update.fragment is not None:
+        if change is not None:
+            update_path = change
+        elif update.fragment is not None:
             update_path = await asyncio.to_thread(self._write_update, update.round_number, update.params)
         await self.bridge.publish_tensors(kind=UPDATE, round=update.round_number, path=update_path)
         await self.bridge.publish_tensors(kind=GLOBAL, round=update.next_round, path=path)
@@ -323,6 +347,21 @@ class ParameterServer:
             {n: params[n] for n in names}, "fp32", metadata={GLOBAL_ROUND_KEY: str(round_number + 1)}
         )
         path = self.published_dir / f"update-{round_number:08d}.safetensors"
+        path.write_bytes(blob)
+        return path
+
+    def _write_change(self, update: RoundUpdate) -> Path:
+        """Round ``update``'s change of θ_global, encoded with the job's ``update_dtype``; θ_global
+        (and the update's snapshot) set to what a trainer rebuilds from it."""
+        assert self.downlink is not None
+        live = self._core().outer.parameters()
+        names = list(update.params)
+        blob = self.downlink.encode(
+            live, names, update.round_number, {GLOBAL_ROUND_KEY: str(update.next_round)}
+        )
+        for name in names:
+            update.params[name] = live[name].clone()
+        path = self.published_dir / f"update-{update.round_number:08d}.safetensors"
         path.write_bytes(blob)
         return path
 
