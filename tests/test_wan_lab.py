@@ -152,10 +152,19 @@ def test_the_benchmark_quick_run_crosses_the_capped_links_with_every_gradient_an
     lab_tools: None, tmp_path: Path
 ) -> None:
     done = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--quick", "--json", "--plot", str(tmp_path / "wan.png")],
+        [
+            sys.executable,
+            str(BENCHMARK),
+            "--quick",
+            "--json",
+            "--variants",
+            "fp32,compressed",
+            "--plot",
+            str(tmp_path / "wan.png"),
+        ],
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=500,
         check=False,
         cwd=tmp_path,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path)},
@@ -177,13 +186,18 @@ def test_the_benchmark_quick_run_crosses_the_capped_links_with_every_gradient_an
 
     # Ours: the demo's job ran its rounds with each trainer behind its capped link.
     rounds = result["rounds"]
-    assert capped["ours_samples_per_trainer"] == {"fp32": rounds * 50 * 64}
+    assert capped["ours_samples_per_trainer"] == {"fp32": rounds * 50 * 64, "compressed": rounds * 50 * 64}
     # Every round each trainer's Δ went up and θ_global came down through its own link.
     assert capped["ours_trainer_bytes"]["fp32"] >= rounds * 2 * model_bytes
     assert capped["ours_bytes"]["fp32"] >= 2 * capped["ours_trainer_bytes"]["fp32"]
     # The parameter server's link takes both trainers' Δ in each round: no round is shorter.
     assert capped["ours_round_s"]["fp32"] >= 0.9 * 2 * model_bytes * 8 / 20e6
     assert 0.0 <= capped["ours_accuracy"]["fp32"] <= 1.0
+    # int8 both ways (delta_dtype and update_dtype): about a quarter of the model each way a
+    # round, through the same links; the data slices and control traffic are the same.
+    compressed = capped["ours_trainer_bytes"]["compressed"]
+    assert rounds * 2 * model_bytes / 4 <= compressed <= 0.6 * capped["ours_trainer_bytes"]["fp32"]
+    assert result["bytes_ratio_compressed"] > 1.5 * result["bytes_ratio"]
     assert 0.0 < capped["utilization"]["fp32"] <= 1.0
     (curve,) = capped["ours_curve"]["fp32"]  # one run
     assert sorted(map(int, curve)) == list(range(rounds + 1))

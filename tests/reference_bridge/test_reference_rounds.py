@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from hypha.testing.executors import FakeNetwork, diloco_spec, sync_every
 from hypha.testing.real_bridge import executor_env, start_real_bridge
+from hypha.v1 import common_pb2
 from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
 from hypha.worker.reference_job import job_document
 
@@ -114,10 +115,13 @@ async def test_two_reference_trainers_train_with_our_parameter_server(
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("update_dtype", [common_pb2.DELTA_DTYPE_FP32, common_pb2.DELTA_DTYPE_INT8])
 async def test_a_reference_trainer_and_ours_train_together(
-    tmp_path: Path, gpt2_dir: Path, slice_files: list[Path]
+    tmp_path: Path, gpt2_dir: Path, slice_files: list[Path], update_dtype: common_pb2.DeltaDType
 ) -> None:
+    # int8 updates come down as changes of θ_global: both kinds of trainer rebuild it.
     network = _network(tmp_path, gpt2_dir, slice_files, ("t0", "t1"))
+    network.spec.diloco.update_dtype = update_dtype
 
     server = await _train(network, ("t0",), ("t1",))
 
