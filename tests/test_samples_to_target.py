@@ -1,0 +1,41 @@
+"""``benchmarks/samples_to_target.py --quick`` runs its variants to their sample cap and reports
+held-out accuracy at the samples it says, with the median rule its JSON states."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "samples_to_target.py"
+
+
+@pytest.mark.timeout(600)
+def test_the_quick_run_scores_each_variant_at_its_rounds_and_counts_a_miss_as_the_cap(tmp_path: Path) -> None:
+    args = ["--quick", "--variants", "ddp,int8,overlap", "--plot", str(tmp_path / "curve.png")]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARK), *args],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=False,
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["name"] == "samples_to_target" and result["seeds"] == [0]
+    for variant in ("ddp", "int8", "overlap"):
+        row = result["variants"][variant]
+        (curve,) = row["curves"]
+        # Scored every 6,400 samples (a DiLoCo round of 2 x 50 x 64) up to the 12,800 cap.
+        assert [samples for samples, _ in curve] == [6400, 12800], variant
+        assert all(0.0 <= accuracy <= 1.0 for _, accuracy in curve)
+        # 12,800 samples are far too few for 90 %: a miss, counted as the cap in the median.
+        assert row["samples"] == [None] and row["median"] == 12800
+    assert result["figure"] == 12800 and result["ratio"] == 1.0
+    assert (tmp_path / "curve.png").read_bytes().startswith(b"\x89PNG")
