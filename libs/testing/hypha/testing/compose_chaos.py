@@ -409,15 +409,18 @@ class ChaosRun:
 
     async def _faults(self, done: asyncio.Event) -> None:
         """Inject the planned faults one at a time, each once the previous one settled: the first
-        planned fault whose role is in use now goes next (a task's host only while a task runs),
-        so the plan's order is a preference, not a queue that one idle role would block."""
+        planned fault whose role is in use now goes next (a task's host only while a task runs,
+        and then before any other), so the plan's order is a preference, not a queue that one
+        idle role would block."""
         remaining = list(self.planned)
         while remaining and not done.is_set():
             last = self.faults[-1] if self.faults else None
             if last is not None and not self._settled(last) and time.monotonic() - last.at < 60:
                 await asyncio.sleep(0.5)
                 continue
-            for planned in remaining:
+            # A task's host is in use only while a task runs: its fault goes first then, or a
+            # run whose task is short could end with it never injected.
+            for planned in sorted(remaining, key=lambda fault: fault[1] != "task"):
                 target = await self._target(planned[1])
                 if target is not None:
                     break
