@@ -7,35 +7,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from hypha import models
-from hypha.datasets import synthetic
 from hypha.diloco.streaming import FragmentedOuter, partition
-from hypha.models import ModelKind
 from hypha.tensors.payload import decode_state, encode_state
 from hypha.v1 import common_pb2
 from hypha.worker.executors import bridge_api, inner_steps
 from hypha.worker.executors.diloco_trainer import DilocoTrainer, TrainerOptions
 from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
-from tests.executors import FakeBridge, FakeNetwork, diloco_spec, sync_every, write_slices
+from tests.executors import FakeBridge, FakeNetwork, diloco_spec, sync_every
 
 OUTER_LR, MOMENTUM = 0.7, 0.9
-
-
-@pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return models.save_tiny_model(ModelKind.CAUSAL_LM, tmp_path_factory.mktemp("model") / "gpt2")
-
-
-@pytest.fixture(scope="module")
-def slices(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Path]]:
-    root = tmp_path_factory.mktemp("data")
-    return {
-        peer: write_slices(synthetic.arithmetic(96, seed=seed), root, f"arith-{peer}", 12)
-        for seed, peer in enumerate(("t0", "t1"))
-    }
 
 
 class _Rounds:

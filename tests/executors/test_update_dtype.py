@@ -6,36 +6,19 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pytest
 import safetensors.torch
 import torch
 
 from hypha import models
-from hypha.datasets import synthetic
 from hypha.diloco import checkpoint
 from hypha.diloco.updates import BASE_ROUND_KEY, UpdateEncoder, apply_change, change_base
-from hypha.models import ModelKind
 from hypha.tensors.payload import decode_state, encode_state, read_metadata
 from hypha.v1 import common_pb2
 from hypha.worker.executors import bridge_api, inner_steps
 from hypha.worker.executors.diloco_trainer import DilocoTrainer, TrainerOptions
 from hypha.worker.executors.global_sync import GlobalSync
 from hypha.worker.executors.parameter_server import ParameterServer, ServerOptions
-from tests.executors import FakeNetwork, diloco_spec, sync_every, write_slices
-
-
-@pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return models.save_tiny_model(ModelKind.CAUSAL_LM, tmp_path_factory.mktemp("model") / "gpt2")
-
-
-@pytest.fixture(scope="module")
-def slices(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Path]]:
-    root = tmp_path_factory.mktemp("data")
-    return {
-        peer: write_slices(synthetic.arithmetic(96, seed=seed), root, f"arith-{peer}", 12)
-        for seed, peer in enumerate(("t0", "t1"))
-    }
+from tests.executors import FakeNetwork, diloco_spec, sync_every
 
 
 def _job(
