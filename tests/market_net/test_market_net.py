@@ -336,6 +336,44 @@ async def test_a_lost_lease_is_reported_and_replaced(market: Market) -> None:
     assert [lease.worker_id for lease in scheduler.market.leases()] == [second.peer_id]
 
 
+async def test_a_watched_lease_is_lost_when_its_worker_stops_answering_long_before_it_expires(
+    market: Market,
+) -> None:
+    # A lease of 30 s: its loss would be noticed up to 30 s late; watched, within watch_lost_s.
+    workers = [await market.worker("w-watched"), await market.worker("w-plain", gateway=1)]
+    scheduler = await market.scheduler(
+        "s-watch", lease_ttl_s=30.0, watch_interval_s=0.2, watch_lost_s=1.0
+    )
+    await market.workers_listening(2)
+    events = scheduler.market.events()
+    leases = await scheduler.market.allocate(TASK, 2)
+    watched = next(lease for lease in leases if lease.worker_id == workers[0].peer_id)
+    plain = next(lease for lease in leases if lease.worker_id == workers[1].peer_id)
+    scheduler.market.watch(watched.lease_id)
+
+    # Heartbeats: renewed several times within a second, where the TTL alone renews at 20 s.
+    await eventually(lambda: scheduler.market.stats["renewed"] >= 3, timeout=3, message="heartbeats")
+    assert not any(e.kind is LeaseEventKind.LOST for e in _drain(events))
+
+    for worker in workers:
+        await worker.stop()
+    stopped = time.monotonic()
+    lost = await asyncio.wait_for(events.get(), 5)
+
+    assert (lost.kind, lost.lease.lease_id) == (LeaseEventKind.LOST, watched.lease_id)
+    assert time.monotonic() - stopped < 4.0
+    assert "did not answer for 1 s" in lost.reason
+    assert plain.lease_id in scheduler.market.book  # unwatched: still waiting for its expiry
+    assert watched.lease_id not in scheduler.market.book
+
+
+def _drain(queue: asyncio.Queue[Any]) -> list[Any]:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
 def test_a_worker_sells_detected_capacity_with_overrides_and_caps(tmp_path: Path) -> None:
     detected = resources.detect(tmp_path, ResourceLimits(gpu=0, gpu_memory_gb=0))
     assert detected.cpu == len(os.sched_getaffinity(0))

@@ -173,6 +173,19 @@ class SchedulerSection(BaseModel):
         10.0, gt=0, description="Lease life asked for on accept and renewal; leases are renewed at 2/3 of it."
     )
     rpc_timeout_s: float = Field(2.0, gt=0, description="Deadline of one accept, renew or release call.")
+    watch_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="How often a watched lease (a DiLoCo job's parameter server: its loss stalls the "
+        "whole job) is renewed.",
+    )
+    watch_lost_s: float = Field(
+        4.0,
+        gt=0,
+        description="A watched lease whose worker has not answered for this long is lost (its part is "
+        "restored elsewhere) without waiting for the lease to expire. Longer than a worker's "
+        "usual stalls, shorter than lease_ttl_s.",
+    )
     adopt_patience_s: float = Field(
         15.0,
         gt=0,

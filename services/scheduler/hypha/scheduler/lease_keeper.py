@@ -5,6 +5,14 @@ life; a renewal the worker refuses (the lease is gone) or one that keeps
 failing until the lease is overdue makes the lease *lost*: it leaves the book
 and the market is told (it emits a ``LeaseEvent`` and, when the lease's
 allocation asked for it, advertises for a replacement).
+
+A *watched* lease (``watch``: a DiLoCo job's parameter server, whose loss
+stalls every trainer of the job) is renewed every ``watch_interval_s`` and is
+lost once its worker has not answered for ``watch_lost_s``, without waiting
+for the lease to run out (up to ``lease_ttl_s`` after the last renewal).
+Giving up on it early is safe: the worker's own copy of the lease still
+expires at its TTL, and a part on it that comes back meanwhile talks to
+nobody (its job's parts were re-pointed; its reports name a replaced attempt).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -93,6 +102,8 @@ class LeaseKeeper:
         self._on_lost = on_lost
         self._terms: dict[str, LeaseTerms] = {}
         self._renewing: set[str] = set()
+        #: Watched lease -> when its worker last answered (``watch``).
+        self._watched: dict[str, float] = {}
         self._wake = asyncio.Event()
 
     def hold(self, held: HeldLease, terms: LeaseTerms) -> None:
@@ -107,22 +118,43 @@ class LeaseKeeper:
             self.book.add(held)
         self._wake.set()
 
+    def watch(self, lease_id: str) -> None:
+        """Notice the loss of this held lease within ``watch_lost_s`` (the module's docstring)."""
+        if lease_id in self.book and lease_id not in self._watched:
+            self._watched[lease_id] = self._clock()
+            self._wake.set()
+
     def drop(self, lease_id: str) -> HeldLease | None:
         """Stop keeping a lease (it is being released); None if it was not held."""
         held = self.book.release(lease_id)
         self._terms.pop(lease_id, None)
+        self._watched.pop(lease_id, None)
         return held
+
+    def _renew_at(self, lease: HeldLease) -> float:
+        answered = self._watched.get(lease.lease_id)
+        if answered is None:
+            return lease.renew_at()
+        return min(lease.renew_at(), answered + self.section.watch_interval_s)
+
+    def _lost_at(self, lease: HeldLease) -> tuple[float, str]:
+        """When the lease counts as lost if no renewal gets through, and why."""
+        answered = self._watched.get(lease.lease_id)
+        silent_until = math.inf if answered is None else answered + self.section.watch_lost_s
+        if silent_until < lease.expires_at:
+            return silent_until, f"its worker did not answer for {self.section.watch_lost_s:g} s"
+        return lease.expires_at, "not renewed before it expired"
 
     async def run(self) -> None:
         """Renew every lease when it is due, forever (the market cancels it on stop)."""
         while True:
             now = self._clock()
-            for lease in self.book.due_for_renewal(now):
-                if lease.lease_id not in self._renewing:
+            for lease in self.book.leases():
+                if now >= self._renew_at(lease) and lease.lease_id not in self._renewing:
                     self._renewing.add(lease.lease_id)
                     self._spawn(self._renew(lease), f"renew {lease.lease_id}")
             waiting = [
-                lease.renew_at() for lease in self.book.leases() if lease.lease_id not in self._renewing
+                self._renew_at(lease) for lease in self.book.leases() if lease.lease_id not in self._renewing
             ]
             timeout = None if not waiting else max(0.0, min(waiting) - now)
             self._wake.clear()
@@ -132,11 +164,14 @@ class LeaseKeeper:
     async def _renew(self, lease: HeldLease) -> None:
         """Renew until the worker agrees, refuses, or the lease is overdue."""
         retry_s = min(1.0, max(0.05, lease.ttl_s / 20))
+        if lease.lease_id in self._watched:
+            retry_s = min(retry_s, self.section.watch_interval_s / 4)
         try:
             while lease.lease_id in self.book:
-                left = lease.expires_at - self._clock()
+                lost_at, why = self._lost_at(lease)
+                left = lost_at - self._clock()
                 if left <= 0:
-                    self._lose(lease, "not renewed before it expired")
+                    self._lose(lease, why)
                     return
                 try:
                     stub = await self.workers.stub(lease.worker_id)
@@ -153,10 +188,12 @@ class LeaseKeeper:
                         return
                     self.stats["renewals_failed"] += 1
                     await self.workers.invalidate(lease.worker_id, err)
-                    await asyncio.sleep(min(retry_s, max(0.0, lease.expires_at - self._clock())))
+                    await asyncio.sleep(min(retry_s, max(0.0, lost_at - self._clock())))
                     continue
                 if lease.lease_id in self.book:
-                    self.book.renewed(lease.lease_id, to_seconds(renewed.expires_at))
+                    lease = self.book.renewed(lease.lease_id, to_seconds(renewed.expires_at))
+                    if lease.lease_id in self._watched:
+                        self._watched[lease.lease_id] = self._clock()
                     self.stats["renewed"] += 1
                 return
         finally:
@@ -164,6 +201,7 @@ class LeaseKeeper:
             self._wake.set()
 
     def _lose(self, lease: HeldLease, reason: str) -> None:
+        self._watched.pop(lease.lease_id, None)
         held = self.book.mark_lost(lease.lease_id)
         terms = self._terms.pop(lease.lease_id, None)
         if held is None:

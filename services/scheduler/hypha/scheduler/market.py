@@ -316,6 +316,10 @@ class SchedulerMarket(Service):
         for lease_id in lease_ids:
             self._keeper.drop(lease_id)
 
+    def watch(self, lease_id: str) -> None:
+        """Notice this lease's loss within ``watch_lost_s`` (``lease_keeper``)."""
+        self._keeper.watch(lease_id)
+
     async def release(self, lease_id: str) -> bool:
         """Give a held lease back; False if it was not held (or the worker could not be told)."""
         held = self._keeper.drop(lease_id)

@@ -24,6 +24,8 @@ async def dispatch_ps(run: DilocoOps) -> None:
     """Send the parameter server its job: the trainer list and, restored, the round it resumes."""
     state = run.state
     assert state.ps is not None
+    # Every trainer stalls while the server is gone: its loss is noticed sooner than a lease's.
+    run.runs.market.watch(state.ps.lease_id)
     kept = run.keeper.latest
     await run.runs.calls.dispatch(
         state.ps.worker_id,

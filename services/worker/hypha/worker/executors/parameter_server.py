@@ -129,6 +129,8 @@ class ParameterServer:
         self.result_dir: Path | None = None
         #: The codec of each round's update when it comes down as a change (``update_dtype``).
         self.downlink: UpdateEncoder | None = None
+        #: The job's model, built in the background from ``start`` on (``_model``).
+        self._model_task: asyncio.Future[nn.Module] | None = None
 
     async def run(self) -> int:
         """Serve the job's rounds, then publish the result; the process exit code."""
@@ -141,9 +143,13 @@ class ParameterServer:
                 elif self._waiting():
                     await self._follow_trainers()  # a trainer may have left (``hypha scale``)
                 await self.tick()
+                self._model_failed()
             await self.finish()
         except process.FAILURES as exc:
             return await process.report_failure(self.bridge, "parameter server", exc)
+        finally:
+            if self._model_task is not None and not self._model_task.done():
+                self._model_task.cancel()
         if self.options.linger_s > 0:
             await asyncio.sleep(self.options.linger_s)
         return 0
@@ -164,11 +170,10 @@ class ParameterServer:
         self.published_dir = self.work_dir / "published"
         self.published_dir.mkdir(parents=True, exist_ok=True)
 
-        model_dir = await self.bridge.fetch_resource("model")
-        self.model: nn.Module = await asyncio.to_thread(
-            models.build_model, self.spec.model, model_dir, factories_allowed=factories.from_env()
-        )
-        self.template = parameter_state(self.model)
+        # The model is built beside the restore: a replacement takes its tensors' names and
+        # shapes from the state it restores and needs the model itself only for the result, so
+        # its rounds do not wait for the model's libraries to import (docs/fault-tolerance.md).
+        self._model_task = asyncio.ensure_future(self._build_model())
         local = None
         if checkpoint.exists(self.checkpoint_dir):
             local = await asyncio.to_thread(checkpoint.load, self.checkpoint_dir)
@@ -186,14 +191,17 @@ class ParameterServer:
                 f"within {self.options.restore_wait_s:g} s"
             )
         else:
+            theta_0 = parameter_state(await self._model())
             core = ParameterServerCore(
-                NesterovOuter(self.template, *outer_settings(self.spec)),
+                NesterovOuter(theta_0, *outer_settings(self.spec)),
                 trainers,
                 self.spec.round_timeout_s or DEFAULT_ROUND_TIMEOUT_S,
                 quorum(self.spec),
-                fragments=fragments_for(self.template, int(self.spec.streaming_fragments)),
+                fragments=fragments_for(theta_0, int(self.spec.streaming_fragments)),
             )
         self.core = core
+        # Deltas are checked against the names and shapes of the θ_global being served.
+        self.template = dict(core.outer.parameters())
         update_dtype = update_wire_dtype(self.spec)
         if update_dtype != "fp32":
             # A restart starts with no residual (hypha.diloco.updates): what the trainers hold is
@@ -305,11 +313,12 @@ class ParameterServer:
     async def finish(self) -> Path:
         """Write θ_global as the job's model directory and hand it over as the result."""
         core = self._core()
-        apply_global(self.model, core.outer.parameters())
+        model = await self._model()
+        apply_global(model, core.outer.parameters())
         result_dir = self.work_dir / "result"
         if result_dir.exists():
             await asyncio.to_thread(shutil.rmtree, result_dir)
-        await asyncio.to_thread(models.save_model_dir, self.model, result_dir, self.spec.model)
+        await asyncio.to_thread(models.save_model_dir, model, result_dir, self.spec.model)
         if has_preprocessor(self.spec):
             source = await self.bridge.fetch_resource("preprocessor")
             await asyncio.to_thread(_copy_missing, source, result_dir)
@@ -319,6 +328,24 @@ class ParameterServer:
         return result_dir
 
     # ---- helpers ---------------------------------------------------------------------------
+
+    async def _build_model(self) -> nn.Module:
+        model_dir = await self.bridge.fetch_resource("model")
+        return await asyncio.to_thread(
+            models.build_model, self.spec.model, model_dir, factories_allowed=factories.from_env()
+        )
+
+    async def _model(self) -> nn.Module:
+        """The job's model (θ_0 for a new job; the result's architecture for every server)."""
+        if self._model_task is None:
+            raise FailedPreconditionError("the parameter server has not started")
+        return await self._model_task
+
+    def _model_failed(self) -> None:
+        """Raise a failed background build at once, not after the job's last round."""
+        task = self._model_task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+            task.result()
 
     def _core(self) -> ParameterServerCore:
         if self.core is None:
