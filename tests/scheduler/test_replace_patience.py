@@ -59,7 +59,12 @@ class _Market:
     free: list[str] = field(default_factory=list)
     tries: int = 0
     released: list[str] = field(default_factory=list)
+    #: Leases watched for a quick loss (each parameter server's).
+    watched: list[str] = field(default_factory=list)
     _leases: int = 0
+
+    def watch(self, lease_id: str) -> None:
+        self.watched.append(lease_id)
 
     async def allocate(
         self,
@@ -180,6 +185,7 @@ async def test_a_lost_parameter_server_waits_for_a_free_worker_and_the_job_goes_
         )
         assert "w9" in job.workers
         assert not run.state.over
+        assert market.watched[-1] == run.state.ps.lease_id  # its loss is noticed within seconds
     finally:
         await runs.stop()
 
