@@ -341,9 +341,7 @@ async def test_a_watched_lease_is_lost_when_its_worker_stops_answering_long_befo
 ) -> None:
     # A lease of 30 s: its loss would be noticed up to 30 s late; watched, within watch_lost_s.
     workers = [await market.worker("w-watched"), await market.worker("w-plain", gateway=1)]
-    scheduler = await market.scheduler(
-        "s-watch", lease_ttl_s=30.0, watch_interval_s=0.2, watch_lost_s=1.0
-    )
+    scheduler = await market.scheduler("s-watch", lease_ttl_s=30.0, watch_interval_s=0.2, watch_lost_s=1.0)
     await market.workers_listening(2)
     events = scheduler.market.events()
     leases = await scheduler.market.allocate(TASK, 2)

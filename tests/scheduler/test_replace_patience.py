@@ -185,7 +185,8 @@ async def test_a_lost_parameter_server_waits_for_a_free_worker_and_the_job_goes_
         )
         assert "w9" in job.workers
         assert not run.state.over
-        assert market.watched[-1] == run.state.ps.lease_id  # its loss is noticed within seconds
+        ps = run.state.ps
+        assert ps is not None and market.watched[-1] == ps.lease_id  # its loss is noticed in seconds
     finally:
         await runs.stop()
 
