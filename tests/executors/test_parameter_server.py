@@ -340,6 +340,40 @@ async def test_a_replacement_server_elsewhere_restores_the_pushed_state_bit_for_
     assert set(elsewhere.published) == {("ps", "update", 1), ("ps", "global", 2)}
 
 
+async def test_a_server_left_behind_serves_the_newer_state_its_scheduler_pushed_when_a_later_delta_comes(
+    tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
+) -> None:
+    # Prepare: the job went on without this server (cut off past its lease) and reached round 2
+    # on another one; its scheduler took this execution back and pushed the state of round 2.
+    ahead = _network(tmp_path / "a", vit_dir)
+    other = _server(ahead, FakeClock(50.0))
+    await other.start()
+    for r in range(2):
+        await _feed_round(other, theta0, r)
+    newer = ahead.published[("ps", "ps-state", 2)].read_bytes()
+    network = _network(tmp_path / "b", vit_dir)
+    behind = _server(network, FakeClock(50.0))
+    await behind.start()
+    await _feed_round(behind, theta0, 0)  # it completed round 0 alone, then lost touch
+    early = _received("t0", 2, SAMPLES[0]["t0"], _delta(theta0, 99))
+    assert await behind.handle(early) is None  # nothing pushed yet: a later round is refused
+
+    # Execute: the pushed state arrives (an older one is ignored), then a delta for round 2.
+    network.deliver("scheduler", "ps", "ps-state", 2, 0, newer)
+    network.deliver("scheduler", "ps", "ps-state", 0, 0, ahead.published[("ps", "ps-state", 1)].read_bytes())
+    receipt = await behind.handle(_received("t0", 2, 8, _delta(theta0, 20)))
+
+    # Assert: it serves round 2 bit for bit as the server that got there, and takes the delta.
+    assert receipt is not None and receipt.accepted
+    assert behind.core is not None and other.core is not None
+    assert behind.core.round_number == 2
+    assert checkpoint.state_digest(behind.core.outer.state_dict()) == checkpoint.state_digest(
+        other.core.outer.state_dict()
+    )
+    assert ("ps", "global", 2) in network.published
+    assert checkpoint.load(tmp_path / "b" / "ps" / "ps-checkpoint").round_number == 2
+
+
 async def test_a_replacement_server_without_a_pushed_state_fails(tmp_path: Path, vit_dir: Path) -> None:
     network = _network(tmp_path, vit_dir)
     network.start_rounds["ps"] = 3

@@ -430,7 +430,11 @@ class ChaosRun:
             remaining.remove(planned)
             kind, role = planned
             await asyncio.sleep(self.rng.uniform(0.5, 3.0))  # not always at a round's start
-            await self._inject(kind, role, *target)
+            container, struck = target
+            # The struck jobs' rounds as the fault lands: they may have moved on meanwhile, and
+            # the time to recover counts from the fault to a round *after* it.
+            struck = {job_id: self.followed[job_id].round for job_id in struck}
+            await self._inject(kind, role, container, struck)
         self.skipped.extend(remaining)
         for kind, role in remaining:
             self.log(f"skipped {kind} {role}: the jobs ended before that role was in use")

@@ -95,7 +95,11 @@ def build(settings: WorkerSettings, tls: TlsMaterial) -> WorkerNode:
     market = WorkerMarket(tls.identity.peer_id, link, connector, cfg, capacity)
     exchange = TensorExchange(connector, cfg.jobs.transfer_settings(work_root / "tensor-spool"))
     slices = SliceFetcher(
-        tls, work_root / "slice-cache", peers=connector, max_cache_bytes=cfg.jobs.slice_cache_bytes
+        tls,
+        work_root / "slice-cache",
+        peers=connector,
+        max_cache_bytes=cfg.jobs.slice_cache_bytes,
+        chunk_timeout_s=cfg.jobs.slice_chunk_timeout_s,
     )
 
     def link_factory(dispatch: JobDispatch) -> SchedulerLink:

@@ -185,6 +185,14 @@ class JobsSection(BaseModel):
         description="Size of the worker's data slice cache; the least recently used slices are "
         "evicted beyond it.",
     )
+    slice_chunk_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Longest wait for the next chunk (at most 1 MiB) of a data slice before the "
+        "download is resumed from where it stopped, on a new connection or another provider: a data "
+        "node that died mid-stream sends nothing and no error. Raise it on links slower than about "
+        "1 Mbit/s.",
+    )
     send_attempts: int = Field(4, ge=1, description="Attempts of one tensor send when streams break.")
     log_queue_max: int = Field(10_000, ge=1, description="Log lines queued per job for the scheduler.")
     max_log_line_bytes: int = Field(16_384, ge=80, description="Longer log lines are cut.")

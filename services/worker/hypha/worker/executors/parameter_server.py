@@ -199,6 +199,11 @@ class ParameterServer:
                 quorum(self.spec),
                 fragments=fragments_for(theta_0, int(self.spec.streaming_fragments)),
             )
+        await self._serve(core)
+        return core
+
+    async def _serve(self, core: ParameterServerCore) -> None:
+        """Serve ``core`` from now on: θ_global (and the last round's update) published."""
         self.core = core
         # Deltas are checked against the names and shapes of the θ_global being served.
         self.template = dict(core.outer.parameters())
@@ -217,7 +222,6 @@ class ParameterServer:
             )
             await self.bridge.publish_tensors(kind=UPDATE, round=core.round_number - 1, path=update_path)
         await self.bridge.publish_tensors(kind=GLOBAL, round=core.round_number, path=path)
-        return core
 
     @property
     def finished(self) -> bool:
@@ -238,6 +242,13 @@ class ParameterServer:
                 receipt = core.add_delta(
                     peer, round_number, int(received.samples), delta, self.options.clock()
                 )
+            except FailedPreconditionError:
+                # A delta for a round this server has not reached: the job went on without it
+                # (a partition outlasted its lease, another server was restored) and its
+                # scheduler took this execution back to serve the newer kept state it pushes.
+                if not await self._catch_up(round_number):
+                    raise
+                return await self.handle(received)
             except PermissionDeniedError:
                 if not await self._adopt_replacement(peer):
                     raise
@@ -410,6 +421,34 @@ class ParameterServer:
                 stem = path.stem.removeprefix(prefix)
                 if stem.isdigit() and int(stem) <= newest - keep:
                     path.unlink(missing_ok=True)
+
+    async def _catch_up(self, wanted: int) -> bool:
+        """Serve a state the scheduler pushed since the start if it is newer than ours (True)."""
+        core = self._core()
+        newest = None
+        while (received := await self.bridge.inbox(STATE_KIND, timeout_s=0)) is not None:
+            try:
+                saved = await asyncio.to_thread(checkpoint.unpack, received.data)
+            except HyphaError as exc:
+                logger.warning("state pushed by %s refused: %s", received.from_peer, exc.message)
+                continue
+            pushed = checkpoint.restore(saved)
+            if pushed.round_number > max(core.round_number, -1 if newest is None else newest.round_number):
+                newest = pushed
+        if newest is None:
+            return False
+        job = await self.bridge.job()
+        _adopt_trainers(newest, [t for t in job.trainer_ids if t])
+        await asyncio.to_thread(checkpoint.save, self.checkpoint_dir, newest)
+        logger.warning(
+            "a delta for round %d came while this server was at round %d: serving the state of round "
+            "%d its scheduler pushed since",
+            wanted,
+            core.round_number,
+            newest.round_number,
+        )
+        await self._serve(newest)
+        return True
 
     async def _pushed_state(self) -> ParameterServerCore | None:
         """The state the scheduler pushes to a replacement server (None: none came in time).
