@@ -180,7 +180,7 @@ class SchedulerSection(BaseModel):
         "whole job) is renewed.",
     )
     watch_lost_s: float = Field(
-        4.0,
+        6.0,
         gt=0,
         description="A watched lease whose worker has not answered for this long is lost (its part is "
         "restored elsewhere) without waiting for the lease to expire. Longer than a worker's "
