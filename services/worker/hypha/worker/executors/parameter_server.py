@@ -487,24 +487,29 @@ class ParameterServer:
         return bool(current.arrived) and bool(current.missing)
 
     async def _follow_trainers(self, delivered: str | None = None) -> None:
-        """Follow the job's trainer list: replacements take the places of the trainers gone,
-        trainers that left (``hypha scale``) are no longer waited for, and a newcomer joins once
-        its first delta (from ``delivered``) arrives: one still starting holds no round up."""
+        """Follow the job's trainer list: trainers gone (lost, replaced, or let go by ``hypha
+        scale``) are no longer waited for, and a newcomer (a replacement or a grown trainer)
+        joins once its first delta (from ``delivered``) arrives, taking a gone one's place: one
+        still starting holds no round up, so the round in flight completes with the others."""
         core = self._core()
         job = await self.bridge.job()
         current = {t for t in job.trainer_ids if t}
         expected = core.expected
         if not current or current == expected:
             return
-        if delivered is None and len(current) >= len(expected):
-            return  # nobody left; newcomers join when they deliver
         gone, new = sorted(expected - current), sorted(current - expected)
-        wanted = set(expected & current) | set(new[: len(gone)])
-        if delivered in current:
-            wanted.add(delivered)
+        if delivered is None:
+            if not gone:
+                return  # newcomers join when they deliver
+            wanted = set(expected & current)
+        else:
+            wanted = set(expected & current) | set(new[: len(gone)])
+            if delivered in current:
+                wanted.add(delivered)
         added, removed = core.set_workers(wanted, delivering=delivered or "")
-        for old, newcomer in zip(gone, new, strict=False):
-            logger.info("trainer %s replaces %s", newcomer, old)
+        if delivered is not None:
+            for old, newcomer in zip(gone, new, strict=False):
+                logger.info("trainer %s replaces %s", newcomer, old)
         if added or removed:
             logger.info("trainers now %s (joined %s, left %s)", sorted(current), added, removed)
 
