@@ -186,12 +186,12 @@ class JobsSection(BaseModel):
         "evicted beyond it.",
     )
     slice_chunk_timeout_s: float = Field(
-        10.0,
+        30.0,
         gt=0,
         description="Longest wait for the next chunk (at most 1 MiB) of a data slice before the "
         "download is resumed from where it stopped, on a new connection or another provider: a data "
-        "node that died mid-stream sends nothing and no error. Raise it on links slower than about "
-        "1 Mbit/s.",
+        "node that died mid-stream sends nothing and no error. Lower it to notice that sooner on "
+        "fast links; at least ~1 s per MiB the link carries.",
     )
     send_attempts: int = Field(4, ge=1, description="Attempts of one tensor send when streams break.")
     log_queue_max: int = Field(10_000, ge=1, description="Log lines queued per job for the scheduler.")
