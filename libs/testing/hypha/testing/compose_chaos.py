@@ -119,6 +119,9 @@ class Fault:
     rounds_at: dict[str, int]
     healed_at: float | None = None
     restarted_at: float | None = None
+    #: Their rounds when the fault was aimed (up to 3 s before it landed): the pace of the run
+    #: (``_settled``) reads these, the time to recover the rounds it landed on.
+    aimed_at: dict[str, int] | None = None
 
 
 @dataclass
@@ -399,7 +402,7 @@ class ChaosRun:
         if fault.kind == "kill" and fault.restarted_at is None:
             return False
         since = fault.healed_at or fault.at
-        for job_id, round_ in fault.rounds_at.items():
+        for job_id, round_ in (fault.aimed_at or fault.rounds_at).items():
             followed = self.followed[job_id]
             if followed.state in TERMINAL:
                 continue
@@ -430,11 +433,12 @@ class ChaosRun:
             remaining.remove(planned)
             kind, role = planned
             await asyncio.sleep(self.rng.uniform(0.5, 3.0))  # not always at a round's start
-            container, struck = target
+            container, aimed = target
             # The struck jobs' rounds as the fault lands: they may have moved on meanwhile, and
             # the time to recover counts from the fault to a round *after* it.
-            struck = {job_id: self.followed[job_id].round for job_id in struck}
-            await self._inject(kind, role, container, struck)
+            struck = {job_id: self.followed[job_id].round for job_id in aimed}
+            fault = await self._inject(kind, role, container, struck)
+            fault.aimed_at = aimed
         self.skipped.extend(remaining)
         for kind, role in remaining:
             self.log(f"skipped {kind} {role}: the jobs ended before that role was in use")
