@@ -427,12 +427,9 @@ class ParameterServer:
         core = self._core()
         newest = None
         while (received := await self.bridge.inbox(STATE_KIND, timeout_s=0)) is not None:
-            try:
-                saved = await asyncio.to_thread(checkpoint.unpack, received.data)
-            except HyphaError as exc:
-                logger.warning("state pushed by %s refused: %s", received.from_peer, exc.message)
+            pushed = await _restored(received)
+            if pushed is None:
                 continue
-            pushed = checkpoint.restore(saved)
             if pushed.round_number > max(core.round_number, -1 if newest is None else newest.round_number):
                 newest = pushed
         if newest is None:
@@ -459,14 +456,9 @@ class ParameterServer:
         deadline = self.options.clock() + self.options.restore_wait_s
         while (left := deadline - self.options.clock()) > 0:
             received = await self.bridge.inbox(STATE_KIND, timeout_s=min(left, self.options.poll_s * 10))
-            if received is None:
+            core = None if received is None else await _restored(received)
+            if core is None:
                 continue
-            try:
-                saved = await asyncio.to_thread(checkpoint.unpack, received.data)
-            except HyphaError as exc:
-                logger.warning("state pushed by %s refused: %s", received.from_peer, exc.message)
-                continue
-            core = checkpoint.restore(saved)
             logger.info(
                 "restored round %d from the state the scheduler kept (θ_global and momentum sha256 %s)",
                 core.round_number,
@@ -512,6 +504,16 @@ class ParameterServer:
                 logger.info("trainer %s replaces %s", newcomer, old)
         if added or removed:
             logger.info("trainers now %s (joined %s, left %s)", sorted(current), added, removed)
+
+
+async def _restored(received: Received) -> ParameterServerCore | None:
+    """The state a pushed pack holds; None (logged) for a damaged one."""
+    try:
+        saved = await asyncio.to_thread(checkpoint.unpack, received.data)
+    except HyphaError as exc:
+        logger.warning("state pushed by %s refused: %s", received.from_peer, exc.message)
+        return None
+    return checkpoint.restore(saved)
 
 
 def _adopt_trainers(core: ParameterServerCore, trainers: list[str]) -> None:
