@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import random
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -40,9 +41,10 @@ def test_every_role_faulted_while_jobs_run_loses_nothing(cluster: Cluster, tmp_p
     faults = plan_faults(6, rng)
     log_path = tmp_path / "chaos.log"
     with log_path.open("w") as log_file:
+        started = time.monotonic()
 
         def log(line: str) -> None:
-            log_file.write(line + "\n")
+            log_file.write(f"{time.monotonic() - started:7.1f} {line}\n")
             log_file.flush()
 
         # One job at a time: the shared cluster's 4 workers (and the relay-only one) leave a
@@ -59,7 +61,12 @@ def test_every_role_faulted_while_jobs_run_loses_nothing(cluster: Cluster, tmp_p
     (scheduler,) = cluster.containers("scheduler")
     audit = subprocess.run(["docker", "logs", scheduler], capture_output=True, text=True, timeout=120)
     figures = run.figures(audit.stdout + audit.stderr)
-    context = f"{figures}\n--- chaos log ---\n{log_path.read_text()[-20000:]}"
+    # The scheduler's own account (its DEBUG audit left out) says why a stalled job did not move.
+    said = [line for line in (audit.stdout + audit.stderr).splitlines() if " DEBUG " not in line]
+    context = (
+        f"{figures}\n--- chaos log ---\n{log_path.read_text()[-20000:]}"
+        "\n--- scheduler log (last 100 lines below DEBUG) ---\n" + "\n".join(said[-100:])
+    )
     assert figures["jobs"] == 4 and figures["succeeded"] == 4, context
     assert figures["faults"]["total"] >= figures["jobs"], context
     assert figures["roles_hit"] == sorted(

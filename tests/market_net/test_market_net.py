@@ -365,6 +365,29 @@ async def test_a_watched_lease_is_lost_when_its_worker_stops_answering_long_befo
     assert watched.lease_id not in scheduler.market.book
 
 
+async def test_a_lease_whose_path_cannot_be_found_is_lost_at_its_expiry(
+    market: Market, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Finding the path to a worker can wait on a gateway that is gone; the renewal must not
+    # wait with it, or the lease is never lost and its job waits for ever on the part it held.
+    worker = await market.worker("w-unfound")
+    scheduler = await market.scheduler("s-unfound", lease_ttl_s=3.0)
+    await market.workers_listening(1)
+    events = scheduler.market.events()
+    (lease,) = await scheduler.market.allocate(TASK, 1)
+
+    async def never(worker_id: str) -> Any:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(scheduler.market._workers, "stub", never)
+    lost = await asyncio.wait_for(events.get(), 6)
+
+    assert (lost.kind, lost.lease.lease_id) == (LeaseEventKind.LOST, lease.lease_id)
+    assert "expired" in lost.reason
+    assert lease.lease_id not in scheduler.market.book
+    assert worker.peer_id == lease.worker_id
+
+
 def _drain(queue: asyncio.Queue[Any]) -> list[Any]:
     items = []
     while not queue.empty():

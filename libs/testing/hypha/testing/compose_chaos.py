@@ -263,7 +263,23 @@ class ChaosRun:
                     followed.intact = await self._check_result(followed)
                 return
             await asyncio.sleep(0.25)
-        self.log(f"{followed.plan.name}: not ended within {self.job_deadline_s:.0f} s")
+        self.log(f"{followed.plan.name}: not ended within {self.job_deadline_s:.0f} s; its log ends:")
+        await self._post_mortem(followed)
+
+    async def _post_mortem(self, followed: Followed, lines: int = 80) -> None:
+        """Log a stalled job's last log lines (what a failed run needs to be understood), then
+        cancel it: its leases would otherwise keep the workers from the jobs after it."""
+        tail: list[str] = []
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            stream = self._stub.GetLogs(scheduler_pb2.GetLogsRequest(job_id=followed.job_id), timeout=30)
+            async for line in stream:
+                tail.append(f"  [{line.worker_name or line.worker_id[:8]} {line.stream}] {line.line}")
+                del tail[:-lines]
+        for line in tail:
+            self.log(line)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._call("CancelJob", scheduler_pb2.CancelJobRequest(job_id=followed.job_id), 15)
+            self.log(f"{followed.plan.name}: cancelled")
 
     async def _check_result(self, followed: Followed) -> bool:
         """The fetched result is what the job produced: each file's bytes match the sha256 the

@@ -174,13 +174,22 @@ class LeaseKeeper:
                     self._lose(lease, why)
                     return
                 try:
-                    stub = await self.workers.stub(lease.worker_id)
-                    renewed = await stub.RenewLease(
-                        worker_pb2.RenewLeaseRequest(
-                            lease_id=lease.lease_id, lease_ttl_s=self.section.lease_ttl_s
-                        ),
-                        timeout=min(self.section.rpc_timeout_s, left),
+                    # The whole attempt is bounded, finding the path included (a dial or the
+                    # relay may wait on a gateway that is gone): the loss is declared on time.
+                    async with asyncio.timeout(left):
+                        stub = await self.workers.stub(lease.worker_id)
+                        renewed = await stub.RenewLease(
+                            worker_pb2.RenewLeaseRequest(
+                                lease_id=lease.lease_id, lease_ttl_s=self.section.lease_ttl_s
+                            ),
+                            timeout=min(self.section.rpc_timeout_s, left),
+                        )
+                except TimeoutError:
+                    self.stats["renewals_failed"] += 1
+                    log.info(
+                        "renewing lease %s on %s: no answer in %.1f s", lease.lease_id, lease.worker_id, left
                     )
+                    continue
                 except (grpc.aio.AioRpcError, HyphaError) as err:
                     code = err.code() if isinstance(err, grpc.aio.AioRpcError) else err.status
                     if code in GONE:
