@@ -278,6 +278,12 @@ class ChaosRun:
         for line in tail:
             self.log(line)
         with contextlib.suppress(grpc.aio.AioRpcError):
+            by_peer = await asyncio.to_thread(self.nodes.worker_peer_ids)
+            for view in await self._workers():
+                executors = [common_pb2.ExecutorKind.Name(lease.executor) for lease in view.leases]
+                container = by_peer.get(view.peer.peer_id, "?")[:12]
+                self.log(f"  worker {view.peer.peer_id} ({container}): job {view.job_id or '-'} {executors}")
+        with contextlib.suppress(grpc.aio.AioRpcError):
             await self._call("CancelJob", scheduler_pb2.CancelJobRequest(job_id=followed.job_id), 15)
             self.log(f"{followed.plan.name}: cancelled")
 

@@ -91,6 +91,7 @@ async def resume(run: DilocoOps, saved: dict[str, Any]) -> None:
     state.ps = ps_held or ps_lease
     if ps_held is not None:
         run.track(ps_held)
+        market.watch(ps_held.lease_id)  # as ``dispatch_ps`` does: its loss stalls every trainer
     else:
         run.participants.add(ps_lease.worker_id)
     lost: list[str] = []
