@@ -61,11 +61,18 @@ def test_every_role_faulted_while_jobs_run_loses_nothing(cluster: Cluster, tmp_p
     (scheduler,) = cluster.containers("scheduler")
     audit = subprocess.run(["docker", "logs", scheduler], capture_output=True, text=True, timeout=120)
     figures = run.figures(audit.stdout + audit.stderr)
-    # The scheduler's own account (its DEBUG audit left out) says why a stalled job did not move.
+    # The scheduler's own account (its DEBUG audit left out): why a stalled job did not move.
     said = [line for line in (audit.stdout + audit.stderr).splitlines() if " DEBUG " not in line]
-    context = (
-        f"{figures}\n--- chaos log ---\n{log_path.read_text()[-20000:]}"
-        "\n--- scheduler log (last 100 lines below DEBUG) ---\n" + "\n".join(said[-100:])
+    # What matters most first: a CI report keeps the head of a long failure.
+    context = "\n".join(
+        [
+            str(figures),
+            *run.post_mortem,
+            "--- scheduler log (last 60 lines above DEBUG) ---",
+            *said[-60:],
+            "--- chaos log ---",
+            log_path.read_text()[-10000:],
+        ]
     )
     assert figures["jobs"] == 4 and figures["succeeded"] == 4, context
     assert figures["faults"]["total"] >= figures["jobs"], context

@@ -214,6 +214,8 @@ class ChaosRun:
         self.followed: dict[str, Followed] = {}
         self.faults: list[Fault] = []
         self.skipped: list[tuple[str, str]] = []
+        #: What ``_post_mortem`` found about each job that did not end in time.
+        self.post_mortem: list[str] = []
         self.results_dir: Path | None = None
         self._restarts: list[asyncio.Task[None]] = []
         self._tls = TlsMaterial.load(PathsTls.from_certs_dir(nodes.certs, "client"))
@@ -263,26 +265,34 @@ class ChaosRun:
                     followed.intact = await self._check_result(followed)
                 return
             await asyncio.sleep(0.25)
-        self.log(f"{followed.plan.name}: not ended within {self.job_deadline_s:.0f} s; its log ends:")
+        self.log(f"{followed.plan.name}: not ended within {self.job_deadline_s:.0f} s")
         await self._post_mortem(followed)
 
-    async def _post_mortem(self, followed: Followed, lines: int = 80) -> None:
-        """Log a stalled job's last log lines (what a failed run needs to be understood), then
-        cancel it: its leases would otherwise keep the workers from the jobs after it."""
-        tail: list[str] = []
+    async def _post_mortem(self, followed: Followed, lines: int = 50) -> None:
+        """Log a stalled job's last log lines and the workers' leases (what a failed run needs to
+        be understood; kept in ``post_mortem`` too), then cancel the job: its leases would
+        otherwise keep the workers from the jobs after it."""
+        tail: list[str] = [f"{followed.plan.name} ({followed.job_id}) stalled; its log ends:"]
         with contextlib.suppress(grpc.aio.AioRpcError):
             stream = self._stub.GetLogs(scheduler_pb2.GetLogsRequest(job_id=followed.job_id), timeout=30)
             async for line in stream:
                 tail.append(f"  [{line.worker_name or line.worker_id[:8]} {line.stream}] {line.line}")
-                del tail[:-lines]
-        for line in tail:
-            self.log(line)
+                del tail[1:-lines]
         with contextlib.suppress(grpc.aio.AioRpcError):
             by_peer = await asyncio.to_thread(self.nodes.worker_peer_ids)
             for view in await self._workers():
                 executors = [common_pb2.ExecutorKind.Name(lease.executor) for lease in view.leases]
                 container = by_peer.get(view.peer.peer_id, "?")[:12]
-                self.log(f"  worker {view.peer.peer_id} ({container}): job {view.job_id or '-'} {executors}")
+                tail.append(
+                    f"  worker {view.peer.peer_id} ({container}): job {view.job_id or '-'} {executors}"
+                )
+                if view.job_id == followed.job_id and container != "?":
+                    # The worker's own account (leases, fetches, take-backs) is not in the job's log.
+                    out = await asyncio.to_thread(_docker, "logs", "--tail", "12", container)
+                    tail.extend(f"    {line[:300]}" for line in (out.stdout + out.stderr).splitlines())
+        self.post_mortem.extend(tail)
+        for line in tail:
+            self.log(line)
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self._call("CancelJob", scheduler_pb2.CancelJobRequest(job_id=followed.job_id), 15)
             self.log(f"{followed.plan.name}: cancelled")
