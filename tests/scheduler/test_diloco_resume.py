@@ -73,3 +73,29 @@ async def test_the_slices_a_run_saves_change_by_change_rebuild_the_tracker_it_ha
         assert SliceTracker.from_snapshot(slices_from(saved)).snapshot() == tracker.snapshot()
     finally:
         await store.close()
+
+
+async def test_slices_reported_used_are_saved_even_when_no_slice_is_left_to_hand_out(tmp_path: Path) -> None:
+    # At an epoch's end a trainer reports its last slices used and gets none (the other trainer
+    # still holds the rest). Those marks were saved only with the next hand-out: a scheduler
+    # killed then came back with the slices still handed out to a trainer that had used them,
+    # and the epoch, and the job, never ended (the container chaos test's stall).
+    store = await JobStore.open(tmp_path / "scheduler.db")
+    try:
+        run, _, _ = await running_job(store, _Market(), tmp_path, patience_s=1.0)
+        run.state.tracker = tracker = SliceTracker(4)
+        await run.save()
+        held: dict[str, list[int]] = {"t0": [], "t1": []}
+        for _ in range(2):  # each trainer takes its prefetch allowance: all 4 slices handed out
+            for worker in held:
+                reply = await run.next_slice(worker, scheduler_pb2.NextSliceRequest())
+                assert reply.available
+                held[worker].append(reply.index)
+
+        reply = await run.next_slice("t0", scheduler_pb2.NextSliceRequest(used=held["t0"]))
+        saved = await store.run_state(run.job_id)
+
+        assert not reply.available and saved is not None
+        assert SliceTracker.from_snapshot(slices_from(saved)).snapshot() == tracker.snapshot()
+    finally:
+        await store.close()

@@ -223,10 +223,12 @@ class DilocoRun(JobRun):
         tracker = state.tracker
         if tracker is None:
             raise FailedPreconditionError(f"job {self.job_id} has no data slices")
+        marked = False
         for used in request.used:
             try:
                 epoch = tracker.epoch
                 tracker.mark_used(worker_id, int(used))
+                marked = True
                 # The audit trail the chaos benchmark checks "each slice once per epoch" against.
                 log.debug("job %s: slice %d used in epoch %d by %s", self.job_id, used, epoch, worker_id)
             except HyphaError as err:  # a slice it lost (replaced, or reported twice): ignore
@@ -238,9 +240,13 @@ class DilocoRun(JobRun):
             index = tracker.next_slice(worker_id)
         except FailedPreconditionError:
             index = None  # it holds its prefetch allowance already
+        if index is not None or marked:
+            # Hand-outs and used marks must outlive a scheduler restart before the trainer hears
+            # back: a trainer does not report a slice used twice, and a slice left handed out to
+            # it would keep its epoch (and the job) from ever ending.
+            await self.save()
         if index is None:
             return scheduler_pb2.NextSliceResponse(available=False, epoch=tracker.epoch, dataset=dataset)
-        await self.save()  # the assignment must outlive a scheduler restart
         return scheduler_pb2.NextSliceResponse(
             available=True, index=index, epoch=tracker.epoch, dataset=dataset, providers=state.data_providers
         )
