@@ -14,10 +14,12 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from pydantic import ValidationError
 
+from hypha.data.config import DataNodeSettings
 from hypha.data.servicer import DataNodeServicer, DatasetCatalog, add_data_node_servicer
 from hypha.datasets.format import CONTENT_TYPE, Dataset
-from hypha.datasets.prepare import write_dataset
+from hypha.datasets.prepare import prepare_synthetic, write_dataset
 from hypha.errors import DataLossError
 from hypha.filestamp import FileStamp
 from hypha.net.channel import secure_channel
@@ -26,6 +28,7 @@ from hypha.net.tls import TlsMaterial
 from hypha.tensors.chunks import assemble
 from hypha.v1 import common_pb2, data_pb2, data_pb2_grpc
 from tests.conftest import Pki
+from tests.gateway.tcpproxy import TcpProxy
 from tests.helpers import eventually
 
 CHUNK = 16 * 1024
@@ -368,3 +371,45 @@ async def test_data_node_app_serves_its_data_dir_and_announces_each_dataset(pki:
     assert [r.manifest_sha256 for r in records] == [toy.manifest.digest()]  # the content is pinned
     assert [r.slice_count for r in later] == [2]
     assert path.read_bytes() == toy.slice_path(4).read_bytes()
+
+
+def _arithmetic(data_dir: Path) -> Dataset:
+    return prepare_synthetic("arithmetic", data_dir, "sums", samples=512, samples_per_slice=256)
+
+
+@pytest.mark.parametrize(
+    ("kind", "mode", "compressed"),
+    [
+        ("sums", "auto", True),  # int64 token ids: mostly zero bytes
+        ("toy", "auto", False),  # random floats: gzip would only cost CPU
+        ("sums", "none", False),
+        ("sums", "gzip", True),
+    ],
+)
+async def test_slices_travel_gzipped_where_it_pays_and_arrive_bit_identical(
+    pki: Pki, tmp_path: Path, kind: str, mode: str, compressed: bool
+) -> None:
+    data_dir = tmp_path / "data"
+    dataset = _arithmetic(data_dir) if kind == "sums" else prepare(data_dir)
+    async with data_node(pki.tls("data"), data_dir, wire_compression=mode) as (server, servicer):
+        proxy = await TcpProxy(server.address).start()
+        try:
+            chunks = await stream(pki.tls("worker"), proxy.address, dataset.name, 1)
+        finally:
+            await proxy.close()
+        served = await servicer.catalog.get(dataset.name)
+
+    payload, _ = assemble(chunks, max_bytes=1 << 22, expected_content_type=CONTENT_TYPE)
+    assert payload == dataset.slice_path(1).read_bytes()
+    size = dataset.slice_size(1)
+    if compressed:
+        # About an eighth measured (10 kB of an 80 kB slice).
+        assert proxy.bytes_back < 0.3 * size, (proxy.bytes_back, size)
+    else:
+        assert proxy.bytes_back > size, (proxy.bytes_back, size)
+    assert servicer.compression.known(served) is compressed
+
+
+def test_an_unknown_wire_compression_is_refused_naming_the_key() -> None:
+    with pytest.raises(ValidationError, match="wire_compression"):
+        DataNodeSettings.model_validate({"data": {"wire_compression": "zstd"}})

@@ -4,6 +4,8 @@
 - ``blackhole()``: keep the connections open but stop moving bytes, as when a
   container is taken off its network (nothing notices until a keepalive fails);
 - ``restore()``: move bytes again (held ones first) and accept new connections.
+
+``bytes_back`` counts what came back from the target: the bytes on the wire.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ class TcpProxy:
         self.address = ""
         #: Connections accepted so far (a reconnect shows up here).
         self.accepted = 0
+        #: Bytes forwarded from the target to the clients.
+        self.bytes_back = 0
 
     async def start(self) -> TcpProxy:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -57,7 +61,7 @@ class TcpProxy:
         self._writers |= pair
         pumps = [
             asyncio.create_task(self._pump(reader, up_writer)),
-            asyncio.create_task(self._pump(up_reader, writer)),
+            asyncio.create_task(self._pump(up_reader, writer, back=True)),
         ]
         try:
             await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
@@ -69,9 +73,13 @@ class TcpProxy:
                 w.transport.abort()
             self._writers -= pair
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, back: bool = False
+    ) -> None:
         with contextlib.suppress(ConnectionError):
             while data := await reader.read(65536):
                 await self._forwarding.wait()
+                if back:
+                    self.bytes_back += len(data)
                 writer.write(data)
                 await writer.drain()

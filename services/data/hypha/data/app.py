@@ -136,6 +136,7 @@ def build(settings: DataNodeSettings, tls: TlsMaterial) -> DataNode:
         max_concurrent_streams=cfg.max_concurrent_streams,
         stream_wait_s=cfg.stream_wait_s,
         trust_verified_s=cfg.trust_verified_s,
+        wire_compression=cfg.wire_compression,
     )
     bindings: list[ServiceBinding] = [(add_data_node_servicer, servicer, "hypha.v1.DataNode")]
     node = DataNode.from_settings(settings, tls, bindings, grace_s=cfg.grace_s)

@@ -38,8 +38,9 @@ from pathlib import Path
 
 import grpc
 
-from hypha.data.config import DEFAULT_TRUST_VERIFIED_S
+from hypha.data.config import DEFAULT_TRUST_VERIFIED_S, WireCompression
 from hypha.data.slices import SliceReader, VerifiedFiles
+from hypha.data.wire_compression import CompressionChoice
 from hypha.datasets.format import CONTENT_TYPE, DEFAULT_CHUNK_SIZE, MANIFEST_NAME, Dataset, scan_data_dir
 from hypha.errors import DataLossError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from hypha.net.auth import peer_identity
@@ -162,6 +163,7 @@ class DataNodeServicer(data_pb2_grpc.DataNodeServicer):
         stream_wait_s: float = 10.0,
         trust_verified_s: float = DEFAULT_TRUST_VERIFIED_S,
         chunk_hook: ChunkHook | None = None,
+        wire_compression: WireCompression = "auto",
     ) -> None:
         if chunk_bytes < 1:
             raise InvalidArgumentError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
@@ -172,6 +174,7 @@ class DataNodeServicer(data_pb2_grpc.DataNodeServicer):
         self.max_concurrent_streams = max_concurrent_streams
         self.stream_wait_s = stream_wait_s
         self.chunk_hook = chunk_hook
+        self.compression = CompressionChoice(wire_compression)
         self._slots = asyncio.Semaphore(max_concurrent_streams)
         #: Slice files that passed a whole check; their next streams are hashed as they go.
         self.verified = VerifiedFiles(trust_s=trust_verified_s)
@@ -202,6 +205,11 @@ class DataNodeServicer(data_pb2_grpc.DataNodeServicer):
                 self.stats["refused_corrupt"] += 1
                 log.error("refusing to serve %s slice %d: %s", dataset.name, index, err.message)
                 raise
+            compress = self.compression.known(dataset)
+            if compress is None:
+                compress = await asyncio.to_thread(self.compression.judge, dataset, index)
+            if compress:
+                context.set_compression(grpc.Compression.Gzip)
             self.stats["streams"] += 1
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
