@@ -57,6 +57,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2ECluster]:
             "worker3": [
                 f"worker.executors={PS_EXECUTORS}",
                 'net.external_addresses=["127.0.0.1:1"]',
+                # The parameter server starts warm (a spare started ahead, in Landlock).
+                "worker.jobs.sandbox=landlock",
+                "worker.jobs.warm_executor=true",
             ],
         },
     )
@@ -94,6 +97,9 @@ async def test_diloco_job_trains_through_the_relay_and_the_model_comes_back(
     names = sorted(cluster.peer_of(peer) for peer in job.workers)
     assert "worker3" in names, names  # the parameter server: reachable only through the relay
     assert len(names) == 3
+    starts = [line.line for line in await cluster.log_lines(job_id) if line.line.startswith("started ")]
+    assert any(line.startswith("started parameter-server") and line.endswith(", warm)") for line in starts)
+    assert not any(line.startswith("started diloco-trainer") and "warm" in line for line in starts), starts
     files = await cluster.fetch_result(job_id, tmp_path / "model")
     assert {path.name for path in files} >= {"config.json", "model.safetensors"}
     before = eval_loss(cluster.model_dir, cluster.cluster.data_dir)

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hypha import factories
 from hypha.market.resources import Resources
@@ -30,6 +30,9 @@ from hypha.worker.executors import ExecutorPlan
 from hypha.worker.jobs_config import JobsSection
 from hypha.worker.scheduler_link import LogForwarder, SchedulerLink
 
+if TYPE_CHECKING:
+    from hypha.worker.warm_executor import Spare
+
 log = logging.getLogger(__name__)
 
 #: Output lines kept to explain a failure (the last stderr line goes into the message).
@@ -37,6 +40,16 @@ TAIL_LINES = 20
 #: Helper task names the manager and its supervisor treat specially.
 PUMP_NAMES = ("stdout", "stderr")
 RUNNING_REPORT = "report-running"
+
+
+def worker_environment(settings: JobsSection) -> dict[str, str]:
+    """The part of every executor's environment that is the worker's, not the execution's (a
+    warm executor starts with it: ``warm_executor``)."""
+    env = {key: os.environ[key] for key in settings.env_passthrough if key in os.environ}
+    if settings.hf_endpoint:
+        env["HF_ENDPOINT"] = settings.hf_endpoint
+    env[factories.ENV_VAR] = factories.to_env(settings.model_factories)
+    return env
 
 
 @dataclass(eq=False)
@@ -51,6 +64,8 @@ class Execution:
     logs: LogForwarder
     bridge: JobBridge | None = None
     process: asyncio.subprocess.Process | None = None
+    #: The warm executor claimed for it (its work dir is the spare's), until it is spawned.
+    warm: Spare | None = None
     supervisor: asyncio.Task[None] | None = None
     exchange_open: bool = False
     #: Set when the group leader has exited (the group may still be ending).
@@ -123,9 +138,8 @@ class Execution:
     def environment(self, settings: JobsSection) -> dict[str, str]:
         """The executor's whole environment: nothing of the worker's but ``env_passthrough``."""
         dispatch = self.dispatch
-        env = {key: os.environ[key] for key in settings.env_passthrough if key in os.environ}
-        if settings.hf_endpoint:
-            env["HF_ENDPOINT"] = settings.hf_endpoint
+        worker = worker_environment(settings)
+        env = dict(worker)
         threads = str(self.threads)
         env.update(
             {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TMPDIR": str(self.work_dir / "tmp")}
@@ -140,7 +154,8 @@ class Execution:
                 "HYPHA_EXECUTOR": dispatch.executor.value,
                 "HYPHA_TORCH_THREADS": threads,
                 "CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in self.gpus),
-                factories.ENV_VAR: factories.to_env(settings.model_factories),
+                # After the job's own variables: a task cannot widen the worker's list.
+                factories.ENV_VAR: worker[factories.ENV_VAR],
             }
         )
         return env

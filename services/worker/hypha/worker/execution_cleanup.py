@@ -16,6 +16,7 @@ from hypha.worker.execution import RUNNING_REPORT, Execution
 from hypha.worker.execution_state import ExecutionState
 from hypha.worker.gpu_slots import GpuSlots
 from hypha.worker.jobs_config import JobsSection
+from hypha.worker.supervisor import Supervisor
 from hypha.worker.transfer import TensorExchange
 from hypha.worker.work_dirs import WorkDirs
 
@@ -36,6 +37,7 @@ class ExecutionCleanup:
     async def run(self, execution: Execution) -> None:
         """Every step, in order; a failing one is logged and skipped, never the ones after it."""
         for step in (
+            self.drop_warm,
             self.free_gpus,
             self.stop_helpers,
             self.stop_bridge,
@@ -49,6 +51,10 @@ class ExecutionCleanup:
                 await step(execution)
             except Exception:
                 log.exception("job %s: cleanup step %s failed", execution.dispatch.job_id, step.__name__)
+
+    async def drop_warm(self, execution: Execution) -> None:
+        """A warm executor claimed but never told what to become (the start failed) ends."""
+        await Supervisor.drop_warm(execution)
 
     async def free_gpus(self, execution: Execution) -> None:
         self.gpus.release(execution.dispatch.key)

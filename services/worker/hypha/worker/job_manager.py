@@ -122,6 +122,7 @@ class JobManager(Service):
         await asyncio.to_thread(self.dirs.create)
         busy = {execution.work_dir for execution in self._active.values()}
         await asyncio.to_thread(self.dirs.sweep, self.settings.retain_s, busy)
+        await self.supervisor.start_warm(self.dirs.jobs_dir)
         self._accepting = True
 
     async def stop(self, reason: str = "worker shutting down") -> None:
@@ -141,6 +142,7 @@ class JobManager(Service):
                     await asyncio.gather(*waits)
             except TimeoutError:
                 log.warning("%d job(s) did not finish cleaning up within %.0f s", len(running), bound)
+        await self.supervisor.stop_warm()
 
     # ---- the API the servicer and the lease side call ------------------------------------
 
@@ -340,6 +342,7 @@ class JobManager(Service):
 
     async def _prepare(self, execution: Execution) -> None:
         work_dir = execution.work_dir
+        self.supervisor.claim_warm(execution)  # before anything is put in the work dir
         await asyncio.to_thread(self.dirs.make_private, work_dir)
         dispatch = execution.dispatch
         if dispatch.profile.prepare is not None:

@@ -35,7 +35,7 @@ _RSS_FIELD = 21
 
 
 async def spawn_group_leader(
-    argv: Sequence[str], cwd: Path, env: Mapping[str, str]
+    argv: Sequence[str], cwd: Path, env: Mapping[str, str], stdin: int = asyncio.subprocess.DEVNULL
 ) -> tuple[asyncio.subprocess.Process, int, int]:
     """Start ``argv`` as a new process group's leader; (process, stdout fd, stderr fd) to read.
 
@@ -50,7 +50,7 @@ async def spawn_group_leader(
             *argv,
             cwd=cwd,
             env=dict(env),
-            stdin=asyncio.subprocess.DEVNULL,
+            stdin=stdin,
             stdout=out_write,
             stderr=err_write,
             start_new_session=True,

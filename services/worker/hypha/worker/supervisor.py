@@ -24,13 +24,14 @@ import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hypha.worker.execution import PUMP_NAMES, RUNNING_REPORT, Execution
+from hypha.worker.execution import PUMP_NAMES, RUNNING_REPORT, Execution, worker_environment
 from hypha.worker.execution_state import ExecutionState, StopCause
 from hypha.worker.jobs_config import JobsSection
 from hypha.worker.lease_limits import lease_bounds, watch_lease
 from hypha.worker.process_group import end_group, kill_orphans, pump_lines, signal_group, spawn_group_leader
 from hypha.worker.resources import GIB
 from hypha.worker.sandbox import Sandbox, resolve
+from hypha.worker.warm_executor import WarmExecutor
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class Supervisor:
         self._hidden = hidden
         self._clock = clock
         self.sandbox: Sandbox | None = None
+        self.warm: WarmExecutor | None = None
 
     async def start(self, jobs_dir: Path) -> None:
         """Resolve the sandbox and kill the executors a previous run left behind under ``jobs_dir``."""
@@ -53,6 +55,33 @@ class Supervisor:
         killed = await asyncio.to_thread(kill_orphans, jobs_dir)
         if killed:
             log.warning("killed %d executor process(es) a previous run left behind", len(killed))
+
+    async def start_warm(self, jobs_dir: Path) -> None:
+        """Start the warm executor (``worker.jobs.warm_executor``) once the jobs dir exists."""
+        assert self.sandbox is not None, "start() resolves the sandbox"
+        if not self.settings.warm_executor:
+            return
+        if not WarmExecutor.supported(self.sandbox):
+            log.info("warm executor off: the %s sandbox cannot take one", self.sandbox.mode)
+            return
+        self.warm = WarmExecutor(self.sandbox, jobs_dir, worker_environment(self.settings))
+        await self.warm.start()
+
+    async def stop_warm(self) -> None:
+        if self.warm is not None:
+            await self.warm.stop()
+
+    def claim_warm(self, execution: Execution) -> None:
+        """Give a fresh execution the warm executor (its work dir becomes the spare's), if it can be."""
+        if self.warm is not None:
+            execution.warm = self.warm.claim(execution.plan.argv, execution.work_dir)
+
+    @staticmethod
+    async def drop_warm(execution: Execution) -> None:
+        """End a warm executor claimed by an execution that never got to spawn it."""
+        spare, execution.warm = execution.warm, None
+        if spare is not None:
+            await spare.end()
 
     # ---- starting ---------------------------------------------------------------------------
 
@@ -71,7 +100,13 @@ class Supervisor:
             # One file no larger than the storage the lease grants (lease_limits watches the sum).
             max_file_bytes=int(storage_gb * GIB) if storage_gb > 0 else None,
         )
-        process, out_read, err_read = await spawn_group_leader(argv, execution.work_dir, env)
+        spare, execution.warm = execution.warm, None
+        if spare is not None:
+            max_file_bytes = int(storage_gb * GIB) if storage_gb > 0 else None
+            await WarmExecutor.order(spare, execution.plan.argv[2], env, max_file_bytes)
+            process, out_read, err_read = spare.process, spare.stdout, spare.stderr
+        else:
+            process, out_read, err_read = await spawn_group_leader(argv, execution.work_dir, env)
         execution.process = process
         if execution.record.state.terminal:  # cancelled while the process was being created
             signal_group(process.pid, signal.SIGKILL)
@@ -86,7 +121,7 @@ class Supervisor:
         execution.logs.line(
             "system",
             f"started {execution.dispatch.executor.value} (pid {process.pid}, threads {execution.threads}, "
-            f"GPUs {gpus})",
+            f"GPUs {gpus}{', warm' if spare is not None else ''})",
         )
         execution.helper(
             execution.report(execution.status_report(), self.settings.status_timeout_s),

@@ -62,12 +62,15 @@ class WorkDirs:
             shutil.rmtree(work_dir, ignore_errors=True)
 
     def sweep(self, retain_s: float, busy: Collection[Path] = ()) -> None:
-        """Remove kept work dirs and results older than ``retain_s`` (not ``busy`` ones)."""
+        """Remove kept work dirs and results older than ``retain_s`` (not ``busy`` ones, nor a
+        warm executor's dot-dir: ``warm_executor`` looks after those)."""
         cutoff = time.time() - retain_s
         for folder in (self.jobs_dir, self.results_dir):
             for path in folder.iterdir() if folder.is_dir() else ():
                 try:
-                    if path not in busy and path.stat().st_mtime < cutoff:
+                    if path in busy or path.name.startswith("."):
+                        continue
+                    if path.stat().st_mtime < cutoff:
                         shutil.rmtree(path, ignore_errors=True)
                 except OSError:
                     continue
