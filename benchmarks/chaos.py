@@ -262,6 +262,9 @@ def compose_main(args: argparse.Namespace) -> None:
                 timeout=120,
             )
             scheduler_log = audit.stdout + audit.stderr
+            # Whole, beside the run's log: the last 300 lines below rarely reach back to a fault.
+            log_path.with_suffix(".scheduler.log").write_text(scheduler_log)
+            log(f"the scheduler's whole log: {log_path.with_suffix('.scheduler.log')}")
             tail = nodes.run("logs", "--no-color", "--tail", "300", check=False, timeout=120).stdout
             log("---- compose logs (last 300 lines per service) ----\n" + tail)
     figures = run.figures(scheduler_log)

@@ -59,7 +59,7 @@ class _Market:
     free: list[str] = field(default_factory=list)
     tries: int = 0
     released: list[str] = field(default_factory=list)
-    #: Leases watched for a quick loss (each parameter server's).
+    #: Leases watched for a quick loss (parameter servers' and trainers').
     watched: list[str] = field(default_factory=list)
     _leases: int = 0
 
@@ -186,7 +186,7 @@ async def test_a_lost_parameter_server_waits_for_a_free_worker_and_the_job_goes_
         assert "w9" in job.workers
         assert not run.state.over
         ps = run.state.ps
-        assert ps is not None and market.watched[-1] == ps.lease_id  # its loss is noticed in seconds
+        assert ps is not None and ps.lease_id in market.watched  # its loss is noticed in seconds
     finally:
         await runs.stop()
 
@@ -224,6 +224,8 @@ async def test_a_lost_trainer_waits_for_a_free_worker_and_is_replaced(
         )
         await eventually(lambda: _state_is(store, run.job_id, JobState.RUNNING), message="RUNNING again")
         assert not run.state.over
+        # The replacement's loss is noticed in seconds too, not at its lease's expiry.
+        assert run.state.trainers["w9"].lease.lease_id in market.watched
     finally:
         await runs.stop()
 

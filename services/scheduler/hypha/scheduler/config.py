@@ -170,14 +170,19 @@ class SchedulerSection(BaseModel):
         "carry. Within it, missing workers are advertised for again, one window at a time.",
     )
     lease_ttl_s: float = Field(
-        10.0, gt=0, description="Lease life asked for on accept and renewal; leases are renewed at 2/3 of it."
+        20.0,
+        gt=0,
+        description="Lease life asked for on accept and renewal; leases are renewed at 2/3 of it. Longer "
+        "than a scheduler's restart (about 10 s from a kill to taking leases back in a container on 2 "
+        "busy cores): a lease that ran out meanwhile is leased and started again instead of taken back. "
+        "A DiLoCo job's leases are watched, so their loss is noticed in watch_lost_s whatever this is.",
     )
     rpc_timeout_s: float = Field(2.0, gt=0, description="Deadline of one accept, renew or release call.")
     watch_interval_s: float = Field(
         1.0,
         gt=0,
-        description="How often a watched lease (a DiLoCo job's parameter server: its loss stalls the "
-        "whole job) is renewed.",
+        description="How often a watched lease (a DiLoCo job's parameter server and trainers: the loss "
+        "of either holds up a round) is renewed.",
     )
     watch_lost_s: float = Field(
         6.0,

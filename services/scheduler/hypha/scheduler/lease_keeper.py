@@ -7,7 +7,8 @@ and the market is told (it emits a ``LeaseEvent`` and, when the lease's
 allocation asked for it, advertises for a replacement).
 
 A *watched* lease (``watch``: a DiLoCo job's parameter server, whose loss
-stalls every trainer of the job) is renewed every ``watch_interval_s`` and is
+stalls every trainer of the job, and its trainers, whose loss holds up a
+round until the server is told) is renewed every ``watch_interval_s`` and is
 lost once its worker has not answered for ``watch_lost_s``, without waiting
 for the lease to run out (up to ``lease_ttl_s`` after the last renewal).
 Giving up on it early is safe: the worker's own copy of the lease still

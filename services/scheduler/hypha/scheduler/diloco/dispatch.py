@@ -48,6 +48,9 @@ async def dispatch_trainer(run: DilocoOps, trainer: Trainer) -> None:
     ps = run.state.ps
     assert ps is not None
     market = run.runs.market
+    # Its loss is noticed in seconds too: the round goes on without it and a replacement is
+    # leased at once, and the lease itself can outlive a scheduler's restart.
+    market.watch(trainer.lease.lease_id)
     await run.runs.calls.dispatch(
         trainer.worker_id,
         worker_pb2.DispatchJobRequest(

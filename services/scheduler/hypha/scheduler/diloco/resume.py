@@ -101,6 +101,7 @@ async def resume(run: DilocoOps, saved: dict[str, Any]) -> None:
             run.participants.add(lease.worker_id)
         else:
             run.track(held)
+            market.watch(held.lease_id)  # taken back as it runs: no dispatch to set the watch
         trainer = add_trainer(
             run, held or lease, attempt=int(entry["attempt"]), start_round=int(entry["start_round"])
         )
