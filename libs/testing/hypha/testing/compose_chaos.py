@@ -425,6 +425,7 @@ class ChaosRun:
             await asyncio.sleep(LONG_PARTITION_S if kind == "long-partition" else self.rng.uniform(1.5, 3.0))
             out = await asyncio.to_thread(_docker, "network", "connect", "--ip", address, network, container)
             fault.healed_at = time.monotonic()
+            self.log(f"healed {role} {container[:12]}")
             if out.returncode != 0:
                 self.log(f"reconnect failed: {out.stderr.strip()}")
         return fault
@@ -502,12 +503,12 @@ class ChaosRun:
 
     # ---- figures -----------------------------------------------------------------------
 
-    def recoveries(self) -> tuple[dict[str, list[float]], list[float], list[float]]:
+    def recoveries(self) -> tuple[dict[str, list[float]], list[float], dict[str, list[float]]]:
         """Per fault kind, the seconds from each fault to each struck job's next round; those
-        of node-loss faults; and the seconds from each heal to the next round."""
+        of node-loss faults; and per partition kind, the seconds from each heal to the next round."""
         by_kind: dict[str, list[float]] = {}
         node_loss: list[float] = []
-        heals: list[float] = []
+        heals: dict[str, list[float]] = {}
         for fault in self.faults:
             for job_id, round_ in fault.rounds_at.items():
                 history = self.followed[job_id].history
@@ -519,11 +520,12 @@ class ChaosRun:
                 if fault.healed_at is not None and fault.kind in ("partition", "long-partition"):
                     healed = _next_round_after(history, fault.healed_at, _round_at(history, fault.healed_at))
                     if healed is not None:
-                        heals.append(healed)
+                        heals.setdefault(f"{fault.kind} {fault.role}", []).append(healed)
         return by_kind, node_loss, heals
 
     def figures(self, scheduler_log: str) -> dict[str, Any]:
-        by_kind, node_loss, heals = self.recoveries()
+        by_kind, node_loss, heals_by_kind = self.recoveries()
+        heals = [seconds for values in heals_by_kind.values() for seconds in values]
         ours = list(self.followed)
         uses = {key: indices for key, indices in slice_uses(scheduler_log).items() if key[0] in ours}
         width = max((max(indices) + 1 for indices in uses.values()), default=0)
@@ -551,11 +553,16 @@ class ChaosRun:
             "recover_p50_s": _q(node_loss, 50),
             "recover_p95_s": _q(node_loss, 95),
             "heal_p95_s": _q(heals, 95),
-            "recover_by_kind": {
-                kind: {"n": len(v), "p50_s": _q(v, 50), "max_s": round(max(v), 2)}
-                for kind, v in sorted(by_kind.items())
-            },
+            "recover_by_kind": _by_kind(by_kind),
+            "heal_by_kind": _by_kind(heals_by_kind),
         }
+
+
+def _by_kind(values: dict[str, list[float]]) -> dict[str, dict[str, float | None]]:
+    return {
+        kind: {"n": len(v), "p50_s": _q(v, 50), "max_s": round(max(v), 2)}
+        for kind, v in sorted(values.items())
+    }
 
 
 def _round_at(history: list[tuple[float, int, str]], at: float) -> int:
