@@ -201,7 +201,9 @@ class DilocoTrainer:
         inner = InnerSettings.from_proto(spec.inner_optimizer)
         optimizer = make_inner_optimizer(model, inner)
         self._global_sync = GlobalSync(
-            ParameterServerLink(bridge, self.ps, self.options),
+            ParameterServerLink(
+                bridge, self.ps, self.options, job_goes_on=partial(self._job_goes_on, batch_size)
+            ),
             self.encoder,
             self.work_dir,
             model,
@@ -297,6 +299,15 @@ class DilocoTrainer:
     ) -> tuple[DirectiveKind, int]:
         """Report the round's progress (``reports``); the scheduler's directive and its batch count."""
         return await report_progress(self.bridge, self.round_number, stats, batch_size, ahead=ahead)
+
+    async def _job_goes_on(self, batch_size: int) -> bool:
+        """Whether the scheduler still runs the job (anything but "done"; an error counts as over)."""
+        try:
+            kind, _ = await self._report(RoundStats(), batch_size)
+        except Exception as exc:
+            logger.info("the scheduler did not say whether the job goes on (%s): taking it as over", exc)
+            return False
+        return kind is not DirectiveKind.DONE
 
     def _finished(self) -> bool:
         return self.rounds > 0 and self.round_number >= self.rounds

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -53,10 +53,18 @@ class LinkOptions(Protocol):
 class ParameterServerLink:
     """Δ to the parameter server ``peer`` and θ_global from it, through ``bridge``."""
 
-    def __init__(self, bridge: Bridge, peer: str, options: LinkOptions) -> None:
+    def __init__(
+        self,
+        bridge: Bridge,
+        peer: str,
+        options: LinkOptions,
+        job_goes_on: Callable[[], Awaitable[bool]] | None = None,
+    ) -> None:
+        """``job_goes_on``: asked when the final round's update does not come (``fetch_update``)."""
         self.bridge = bridge
         self.peer = peer
         self.options = options
+        self.job_goes_on = job_goes_on
 
     async def send_delta(self, path: Path, round_number: int, samples: int) -> None:
         """Send Δ; a failure is logged, not raised (the wait for the update sends it again)."""
@@ -104,15 +112,30 @@ class ParameterServerLink:
     async def fetch_update(
         self, round_number: int, *, resend: tuple[Path, int] | None, final: bool
     ) -> bytes | None:
-        """The round's update; None when the ``final`` round's is not served (NOTE)."""
-        try:
-            return await self.fetch(
-                UPDATE, round_number, resend=resend, tries=FINAL_UPDATE_TRIES if final else None
-            )
-        except UnavailableError:
-            if not final:
-                raise
+        """The round's update; None when the ``final`` round's is not served (NOTE).
+
+        A final round's update is tried for ``FINAL_UPDATE_TRIES`` fetches at a time: a server
+        that ended with the job no longer serves it. Between those, the scheduler is asked
+        (``job_goes_on``): while the job is not over, the server may be being restored, and
+        it needs this trainer's Δ again to complete the round (without it the restored
+        server waited for the round's deadline, and the round's work was lost).
+        """
+        deadline = self.options.clock() + self.options.update_patience_s
+        while True:
+            try:
+                return await self.fetch(
+                    UPDATE, round_number, resend=resend, tries=FINAL_UPDATE_TRIES if final else None
+                )
+            except UnavailableError:
+                if not final:
+                    raise
+            if self.job_goes_on is None or self.options.clock() >= deadline or not await self.job_goes_on():
+                logger.info(
+                    "no update for the final round %d; the result is at the parameter server", round_number
+                )
+                return None
             logger.info(
-                "no update for the final round %d; the result is at the parameter server", round_number
+                "no update for the final round %d yet and the job goes on: sending Δ again", round_number
             )
-            return None
+            if resend is not None:
+                await self.send_delta(resend[0], round_number, resend[1])
