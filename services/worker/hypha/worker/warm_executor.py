@@ -64,7 +64,7 @@ class Spare:
     work_dir: Path
 
     async def end(self) -> None:
-        """Kill it, reap it, close what the worker reads of it, remove its dir (unclaimed only)."""
+        """Kill it, reap it and close what the worker reads of it (its dir is the caller's to remove)."""
         signal_group(self.process.pid, signal.SIGKILL)
         await self.process.wait()
         for fd in (self.stdout, self.stderr):
