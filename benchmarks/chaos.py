@@ -29,7 +29,8 @@ partitions of trainers, parameter servers, task hosts, gateways, the data
 node and the scheduler (``hypha.testing.compose_chaos`` says how faults are aimed and
 timed). Its figure is the fraction of jobs that SUCCEEDED; its JSON adds
 faults by kind and role, the time from each fault to the struck job's next
-round (p50/p95 over node losses; per kind) and from each partition's heal,
+round (p50/p95 over node losses; per kind) and from each partition's heal
+(p95 over brief partitions: a long one is a node loss),
 rounds lost, each fetched result checked, and the slice audit. Everything it
 sees goes to a log file whose path it prints first.
 

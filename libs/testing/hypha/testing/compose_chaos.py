@@ -13,10 +13,11 @@ every fault lands on work in progress, after the executors' cold start.
 
 Measured from the scheduler's view of each job (``GetJob`` polled every
 0.25 s): the time from a fault to each affected job's next completed round
-(``recover``) and from the heal of a pause or partition to that job's next
-round (``heal``); completed rounds lost (a job's round going back); each
-fetched result checked against what the job produced; and from the
-scheduler's DEBUG audit, no dataset slice used twice in an epoch of a job.
+(``recover``) and from the heal of a partition to that job's next round
+(``heal``; its target figure counts brief partitions, ``heal_target_values``);
+completed rounds lost (a job's round going back); each fetched result
+checked against what the job produced; and from the scheduler's DEBUG
+audit, no dataset slice used twice in an epoch of a job.
 """
 
 from __future__ import annotations
@@ -503,29 +504,12 @@ class ChaosRun:
 
     # ---- figures -----------------------------------------------------------------------
 
-    def recoveries(self) -> tuple[dict[str, list[float]], list[float], dict[str, list[float]]]:
-        """Per fault kind, the seconds from each fault to each struck job's next round; those
-        of node-loss faults; and per partition kind, the seconds from each heal to the next round."""
-        by_kind: dict[str, list[float]] = {}
-        node_loss: list[float] = []
-        heals: dict[str, list[float]] = {}
-        for fault in self.faults:
-            for job_id, round_ in fault.rounds_at.items():
-                history = self.followed[job_id].history
-                recover = _next_round_after(history, fault.at, round_)
-                if recover is not None:
-                    by_kind.setdefault(f"{fault.kind} {fault.role}", []).append(recover)
-                    if fault.kind in NODE_LOSS:
-                        node_loss.append(recover)
-                if fault.healed_at is not None and fault.kind in ("partition", "long-partition"):
-                    healed = _next_round_after(history, fault.healed_at, _round_at(history, fault.healed_at))
-                    if healed is not None:
-                        heals.setdefault(f"{fault.kind} {fault.role}", []).append(healed)
-        return by_kind, node_loss, heals
+    def recoveries(self) -> Recoveries:
+        return recoveries(self.faults, {job_id: f.history for job_id, f in self.followed.items()})
 
     def figures(self, scheduler_log: str) -> dict[str, Any]:
         by_kind, node_loss, heals_by_kind = self.recoveries()
-        heals = [seconds for values in heals_by_kind.values() for seconds in values]
+        heals = heal_target_values(heals_by_kind)
         ours = list(self.followed)
         uses = {key: indices for key, indices in slice_uses(scheduler_log).items() if key[0] in ours}
         width = max((max(indices) + 1 for indices in uses.values()), default=0)
@@ -556,6 +540,42 @@ class ChaosRun:
             "recover_by_kind": _by_kind(by_kind),
             "heal_by_kind": _by_kind(heals_by_kind),
         }
+
+
+#: Per fault kind the seconds to each struck job's next round; those of node losses; and per
+#: partition kind the seconds from its heal to each struck job's next round.
+Recoveries = tuple[dict[str, list[float]], list[float], dict[str, list[float]]]
+
+
+def recoveries(faults: list[Fault], histories: dict[str, list[tuple[float, int, str]]]) -> Recoveries:
+    """Time to recover, from each struck job's round history."""
+    by_kind: dict[str, list[float]] = {}
+    node_loss: list[float] = []
+    heals: dict[str, list[float]] = {}
+    for fault in faults:
+        for job_id, round_ in fault.rounds_at.items():
+            history = histories[job_id]
+            recover = _next_round_after(history, fault.at, round_)
+            if recover is not None:
+                by_kind.setdefault(f"{fault.kind} {fault.role}", []).append(recover)
+                if fault.kind in NODE_LOSS:
+                    node_loss.append(recover)
+            if fault.healed_at is not None and fault.kind in ("partition", "long-partition"):
+                healed = _next_round_after(history, fault.healed_at, _round_at(history, fault.healed_at))
+                if healed is not None:
+                    heals.setdefault(f"{fault.kind} {fault.role}", []).append(healed)
+    return by_kind, node_loss, heals
+
+
+def heal_target_values(heals: dict[str, list[float]]) -> list[float]:
+    """The heals the 5 s target is about: brief partitions, which a job waits out.
+
+    A long partition outlasts the node's lease: the node is lost and replaced,
+    and that is timed from the fault as a node loss (the 15 s target). By the
+    time it heals the job has gone on without it, so the next round after the
+    heal measures only the reshaped job's pace; it stays in ``heal_by_kind``.
+    """
+    return [seconds for kind, values in heals.items() if kind.startswith("partition ") for seconds in values]
 
 
 def _by_kind(values: dict[str, list[float]]) -> dict[str, dict[str, float | None]]:
