@@ -621,22 +621,53 @@ async def test_connector_redecides_after_the_direct_peer_goes_away(pki: Pki, mes
     await connector.close()
 
 
-async def test_connector_rechecks_a_relay_choice_after_a_while(
+async def test_a_relayed_peer_is_reached_directly_again_soon_after_it_is_back(pki: Pki, mesh: Mesh) -> None:
+    # Prepare: the peer's address is down (a partition), so it is reached through the relay.
+    worker = [(worker_pb2_grpc.add_WorkerServicer_to_server, RecordingWorker(), "hypha.v1.Worker")]
+    first = NodeServer(pki.tls("worker"), "127.0.0.1:0", worker)
+    await first.start()
+    address = first.address
+    await first.stop(0)
+    connector = PeerConnector(
+        pki.tls("scheduler"), mesh.scheduler, connect_timeout_s=0.5, relay_probe_s=0.2, check_peer_id=False
+    )
+    assert isinstance(await connector.channel("worker-peer", [address]), RelayChannel)
+    # Execute: the peer is back at its address; callers keep asking for its channel.
+    back = NodeServer(pki.tls("worker"), address, worker)
+    await back.start()
+    try:
+
+        async def path() -> bool:
+            # A lookup never waits for a dial: the relay stands until the probe found the peer.
+            async with asyncio.timeout(0.1):
+                return not isinstance(await connector.channel("worker-peer", [address]), RelayChannel)
+
+        # Assert: the direct path is taken again within the probe's first tries.
+        await eventually(path, timeout=5, message="the direct path again")
+        assert connector.is_direct("worker-peer")
+        reply = await worker_pb2_grpc.WorkerStub(await connector.channel("worker-peer", [address])).GetStatus(
+            worker_pb2.GetWorkerStatusRequest(), timeout=5
+        )
+        # The caller is seen by its certificate, not by the relay's stamp: the call went direct.
+        assert reply.peer_id == peer_id_of(load_cert_chain(pki.paths("scheduler").cert)[0])
+    finally:
+        await connector.close()
+        await back.stop(0)
+
+
+async def test_a_relay_choice_made_without_addresses_is_probed_once_a_caller_names_one(
     pki: Pki, mesh: Mesh, direct_server: NodeServer
 ) -> None:
-    now = [0.0]
     connector = PeerConnector(
-        pki.tls("scheduler"),
-        mesh.scheduler,
-        connect_timeout_s=0.5,
-        relay_recheck_s=30,
-        clock=lambda: now[0],
-        check_peer_id=False,  # the in-memory mesh's peer names are not certificate ids
+        pki.tls("scheduler"), mesh.scheduler, connect_timeout_s=0.5, relay_probe_s=0.2, check_peer_id=False
     )
     assert isinstance(await connector.channel("worker-peer", []), RelayChannel)
     assert isinstance(await connector.channel("worker-peer", [direct_server.address]), RelayChannel)
-    now[0] = 31
-    assert not isinstance(await connector.channel("worker-peer", [direct_server.address]), RelayChannel)
+
+    async def direct() -> bool:
+        return not isinstance(await connector.channel("worker-peer", [direct_server.address]), RelayChannel)
+
+    await eventually(direct, timeout=5, message="the named address probed and taken")
     await connector.close()
 
 

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
 
 import grpc
@@ -46,7 +44,9 @@ class _Choice:
     channel: PeerChannel
     direct: bool
     address: str
-    chosen_at: float
+    #: The addresses a relay choice's probe dials (the latest a caller named).
+    addresses: list[str] = field(default_factory=list)
+    probe: asyncio.Task[None] | None = None
 
 
 class PeerConnector:
@@ -59,14 +59,14 @@ class PeerConnector:
         connect_timeout_s: float = 2.0,
         *,
         relay_recheck_s: float = 60.0,
-        clock: Callable[[], float] = time.monotonic,
+        relay_probe_s: float = 1.0,
         check_peer_id: bool = True,
     ) -> None:
         self._tls = tls
         self._relay = relay
         self.connect_timeout_s = connect_timeout_s
         self.relay_recheck_s = relay_recheck_s
-        self._clock = clock
+        self.relay_probe_s = relay_probe_s
         #: Refuse an address whose certificate is not ``peer_id``'s (off only for a caller that
         #: knows a name, not an id).
         self.check_peer_id = check_peer_id
@@ -82,11 +82,14 @@ class PeerConnector:
         lock = self._locks.setdefault(peer_id, asyncio.Lock())
         async with lock:
             choice = self._choices.get(peer_id)
-            if choice is not None and self._still_good(choice, addresses):
-                return choice.channel
-            await self._drop(peer_id)
-            choice = await self._choose(peer_id, addresses, roles)
-            self._choices[peer_id] = choice
+            if choice is None or not self._still_good(choice):
+                await self._drop(peer_id)
+                choice = await self._choose(peer_id, addresses, roles)
+                self._choices[peer_id] = choice
+            if not choice.direct and addresses:
+                choice.addresses = list(addresses)
+                if choice.probe is None:
+                    choice.probe = asyncio.create_task(self._probe(peer_id, choice, roles))
             return choice.channel
 
     def is_direct(self, peer_id: str) -> bool | None:
@@ -103,24 +106,52 @@ class PeerConnector:
         for peer_id in list(self._choices):
             await self._drop(peer_id)
 
-    def _still_good(self, choice: _Choice, addresses: list[str]) -> bool:
+    @staticmethod
+    def _still_good(choice: _Choice) -> bool:
         if choice.direct:
             return choice.channel.get_state() not in _BROKEN
-        if getattr(choice.channel, "closed", False):
-            return False
-        stale = self._clock() - choice.chosen_at >= self.relay_recheck_s
-        return not (stale and addresses)
+        # A relay choice stands until its probe finds a direct path (or the relay closes).
+        return not getattr(choice.channel, "closed", False)
+
+    async def _probe(self, peer_id: str, choice: _Choice, roles: frozenset[Role] | None) -> None:
+        """Dial a relayed peer's addresses now and then; the first that answers becomes its path."""
+        wait = self.relay_probe_s
+        while True:
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, self.relay_recheck_s)
+            for address in list(choice.addresses):
+                try:
+                    channel = await self._dial(address, peer_id, roles)
+                except Exception as err:  # a probe must not die of one odd address
+                    log.debug("probing %s of peer %s failed: %r", address, peer_id, err)
+                    continue
+                if channel is not None:
+                    await self._adopt(peer_id, choice, channel, address)
+                    return
+
+    async def _adopt(self, peer_id: str, choice: _Choice, channel: grpc.aio.Channel, address: str) -> None:
+        """Make a probed direct channel the peer's path, unless the peer was re-decided meanwhile."""
+        adopted = False
+        try:
+            async with self._locks.setdefault(peer_id, asyncio.Lock()):
+                if self._choices.get(peer_id) is choice:
+                    log.debug("peer %s: direct again at %s", peer_id, address)
+                    self._choices[peer_id] = _Choice(channel, True, address)
+                    adopted = True
+        finally:
+            if not adopted:
+                await channel.close()
 
     async def _choose(self, peer_id: str, addresses: list[str], roles: frozenset[Role] | None) -> _Choice:
         for address in addresses:
             channel = await self._dial(address, peer_id, roles)
             if channel is not None:
                 log.debug("peer %s: direct at %s", peer_id, address)
-                return _Choice(channel, True, address, self._clock())
+                return _Choice(channel, True, address)
         if self._relay is None:
             raise UnavailableError(f"peer {peer_id} unreachable at {addresses or 'no address'} and no relay")
         log.debug("peer %s: through the relay", peer_id)
-        return _Choice(self._relay.channel(peer_id), False, "", self._clock())
+        return _Choice(self._relay.channel(peer_id), False, "")
 
     async def _dial(
         self, address: str, peer_id: str, roles: frozenset[Role] | None
@@ -156,7 +187,11 @@ class PeerConnector:
 
     async def _drop(self, peer_id: str) -> None:
         choice = self._choices.pop(peer_id, None)
-        if choice is not None and choice.direct:
+        if choice is None:
+            return
+        if choice.probe is not None and choice.probe is not asyncio.current_task():
+            choice.probe.cancel()
+        if choice.direct:
             await choice.channel.close()
 
 
