@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypha.testing.compose_chaos import Fault, heal_target_values, recoveries
+from hypha.testing.compose_chaos import Fault, Followed, JobPlan, heal_target_values, recoveries, settled
 
 
 def _history(*rounds: tuple[float, int]) -> list[tuple[float, int, str]]:
@@ -42,3 +42,29 @@ def test_a_job_that_ends_before_its_next_round_has_no_time_to_recover() -> None:
     histories = {"a": _history((4.0, 1), (8.0, 2))}
     kill = Fault("kill", "trainer", "c1", at=9.0, rounds_at={"a": 2}, restarted_at=15.0)
     assert recoveries([kill], histories) == ({}, [], {})
+
+
+def _followed(job_id: str, history: list[tuple[float, int, str]]) -> Followed:
+    return Followed(JobPlan(job_id, "diloco", ""), job_id, history)
+
+
+def test_the_next_fault_waits_for_the_round_after_a_heal() -> None:
+    # The trainer is cut off at 10 s with round 2 done; round 3 completes while it is away (its
+    # work was in), and it is back at 12.5 s: the job still owes round 4, which needs the node.
+    partition = Fault("partition", "trainer", "c1", at=10.0, rounds_at={"a": 2}, healed_at=12.5)
+    before = _followed("a", _history((8.0, 2), (11.0, 3), (12.6, 3), (14.0, 3)))
+    after = _followed("a", _history((8.0, 2), (11.0, 3), (12.6, 3), (15.0, 4)))
+    assert not settled(partition, {"a": before})
+    assert settled(partition, {"a": after})
+
+
+def test_a_kill_is_settled_once_its_node_is_back_and_the_job_moved_on() -> None:
+    kill = Fault("kill", "trainer", "c1", at=10.0, rounds_at={"a": 2})
+    history = _followed("a", _history((8.0, 2), (14.0, 3)))
+    assert not settled(kill, {"a": history})
+    kill.restarted_at = 16.0
+    assert settled(kill, {"a": history})
+    ended = _followed("a", [(8.0, 2, "running"), (11.0, 2, "failed")])
+    assert settled(
+        Fault("kill", "trainer", "c1", at=10.0, rounds_at={"a": 2}, restarted_at=12.0), {"a": ended}
+    )

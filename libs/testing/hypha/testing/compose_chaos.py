@@ -432,17 +432,7 @@ class ChaosRun:
         return fault
 
     def _settled(self, fault: Fault) -> bool:
-        """Every job the fault struck completed a round since (or ended), and what it killed is back."""
-        if fault.kind == "kill" and fault.restarted_at is None:
-            return False
-        since = fault.healed_at or fault.at
-        for job_id, round_ in (fault.aimed_at or fault.rounds_at).items():
-            followed = self.followed[job_id]
-            if followed.state in TERMINAL:
-                continue
-            if not any(t > since and r > round_ for t, r, _ in followed.history):
-                return False
-        return True
+        return settled(fault, self.followed)
 
     async def _faults(self, done: asyncio.Event) -> None:
         """Inject the planned faults one at a time, each once the previous one settled: the first
@@ -576,6 +566,29 @@ def heal_target_values(heals: dict[str, list[float]]) -> list[float]:
     heal measures only the reshaped job's pace; it stays in ``heal_by_kind``.
     """
     return [seconds for kind, values in heals.items() if kind.startswith("partition ") for seconds in values]
+
+
+def settled(fault: Fault, followed: dict[str, Followed]) -> bool:
+    """Every job the fault struck completed a round since (or ended), and what it killed is back.
+
+    After a heal, "since" means a round after the one the job was at when the
+    node came back, as ``recoveries`` times a heal: a job that completed a
+    round while its node was cut off (the round's work was done) still owes
+    the round that needs the node, and the next fault waits for it, or that
+    fault's cost would be counted as the heal's.
+    """
+    if fault.kind == "kill" and fault.restarted_at is None:
+        return False
+    since = fault.healed_at or fault.at
+    for job_id, round_ in (fault.aimed_at or fault.rounds_at).items():
+        job = followed[job_id]
+        if job.state in TERMINAL:
+            continue
+        if fault.healed_at is not None:
+            round_ = max(round_, _round_at(job.history, fault.healed_at))
+        if not any(t > since and r > round_ for t, r, _ in job.history):
+            return False
+    return True
 
 
 def _by_kind(values: dict[str, list[float]]) -> dict[str, dict[str, float | None]]:
