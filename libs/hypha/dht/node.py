@@ -167,12 +167,14 @@ class DhtNode(Service):
         cache_fresh_s: float = 2.0,
         max_records_per_provider: int = 256,
         max_stored_bytes: int = 64 * 1024 * 1024,
+        join: bool = True,
     ) -> DhtNode:
         """Bind UDP ``listen_host:port`` (0 = any free port, read into ``.port``); join via ``bootstrap``.
 
         Unreachable bootstrap peers are not an error: the first node of a
         network has none that answer yet, so joining is retried on the next
-        announce or lookup while the routing table is empty.
+        announce or lookup while the routing table is empty. ``join=False``
+        leaves joining to the caller (``bootstrap()``) or to that first use.
         """
         node = cls(
             verifier=verifier,
@@ -191,7 +193,7 @@ class DhtNode(Service):
         )
         await node._server.listen(port, listen_host)
         node.host, node.port = node._server.transport.get_extra_info("sockname")[:2]
-        if node._bootstrap:
+        if join and node._bootstrap:
             await node.bootstrap()
         return node
 

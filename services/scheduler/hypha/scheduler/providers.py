@@ -29,12 +29,20 @@ ADMIT_WAIT_S = 5.0
 
 
 class DatasetProviders:
-    """The scheduler's DHT endpoint: started with the jobs, stopped after them."""
+    """The scheduler's DHT endpoint: started with the jobs, stopped after them.
+
+    It joins the DHT in the background: the join walks contacts the gateways
+    name, some of them nodes that are gone, each costing an RPC timeout, and a
+    restarted scheduler must not keep its jobs waiting for that (2 s of a
+    scheduler restart's recovery, measured in the compose chaos run). The
+    first lookup waits for the join in progress instead.
+    """
 
     def __init__(self, tls: TlsMaterial, section: SchedulerSection) -> None:
         self.tls = tls
         self.section = section
         self.dht: DhtNode | None = None
+        self._joining: asyncio.Task[int] | None = None
 
     async def start(self) -> None:
         self.dht = await DhtNode.create(
@@ -47,17 +55,28 @@ class DatasetProviders:
             min_stall_s=self.section.dht_min_stall_s,
             max_stall_s=self.section.dht_max_stall_s,
             cache_fresh_s=self.section.dht_cache_fresh_s,
+            join=False,
         )
+        self._joining = asyncio.create_task(self.dht.bootstrap(), name="scheduler DHT join")
+        self._joining.add_done_callback(_joined)
 
     async def stop(self) -> None:
         dht, self.dht = self.dht, None
+        joining, self._joining = self._joining, None
+        if joining is not None:
+            joining.cancel()
+            await asyncio.wait([joining])
         if dht is not None:
             await dht.stop()
 
     async def find(self, dataset: str) -> list[ProviderRecord]:
-        if self.dht is None:
+        dht, joining = self.dht, self._joining
+        if dht is None:
             raise UnavailableError("the scheduler's DHT endpoint is not running")
-        return await self.dht.find_providers(dataset)
+        if joining is not None and not joining.done():
+            # A failed join is no error here: the lookup joins again while it knows no one.
+            await asyncio.wait([joining])
+        return await dht.find_providers(dataset)
 
     async def find_within(
         self, dataset: str, wait_s: float, clock: Callable[[], float] = time.monotonic
@@ -78,6 +97,11 @@ class DatasetProviders:
         """Refuse a dataset no data node announces (looking for up to ``wait_s``): NotFoundError."""
         if not await self.find_within(dataset, wait_s):
             raise NotFoundError(f"dataset {dataset!r} not found: no data node announces it in the DHT")
+
+
+def _joined(task: asyncio.Task[int]) -> None:
+    if not task.cancelled() and (err := task.exception()) is not None:
+        log.warning("joining the DHT failed (the first lookup tries again): %r", err)
 
 
 def one_content(dataset: str, records: list[ProviderRecord]) -> list[ProviderRecord]:
