@@ -189,7 +189,7 @@ class PeerConnector:
         choice = self._choices.pop(peer_id, None)
         if choice is None:
             return
-        if choice.probe is not None and choice.probe is not asyncio.current_task():
+        if choice.probe is not None:
             choice.probe.cancel()
         if choice.direct:
             await choice.channel.close()

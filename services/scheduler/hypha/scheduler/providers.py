@@ -73,7 +73,7 @@ class DatasetProviders:
         dht, joining = self.dht, self._joining
         if dht is None:
             raise UnavailableError("the scheduler's DHT endpoint is not running")
-        if joining is not None and not joining.done():
+        if joining is not None:
             # A failed join is no error here: the lookup joins again while it knows no one.
             await asyncio.wait([joining])
         return await dht.find_providers(dataset)
