@@ -300,26 +300,35 @@ async def test_the_result_carries_the_preprocessor_files_beside_the_model(
 async def test_a_replacement_server_elsewhere_restores_the_pushed_state_bit_for_bit(
     tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor]
 ) -> None:
-    # Prepare: a server completes two rounds; each round's state is published before its update.
+    # Prepare: a server completes three rounds; a round's update goes out only once the
+    # scheduler holds the state of the round before (it pulls a round's state while the next trains).
     network = _network(tmp_path / "a", vit_dir)
     bridge = network.bridge("ps")
-    committed_before_update: list[bool] = []
-    report = bridge.metrics
+    committed: list[int] = []
+    held_before_update: list[bool] = []
+    report, publish = bridge.metrics, bridge.publish_tensors
 
     async def metrics(round: int, values: Mapping[str, float]) -> None:
-        committed_before_update.append(
-            ("ps", "ps-state", int(values["state_round"])) in network.published
-            and ("ps", "update", round) not in network.published
-        )
         await report(round, values)
+        committed.append(int(values["state_round"]))
+
+    async def publish_tensors(*, kind: str, round: int, path: Path) -> None:
+        if kind == "update":
+            # Round r's update needs the state that starts round r (round r-1's) held.
+            held_before_update.append(round == 0 or round in committed)
+        await publish(kind=kind, round=round, path=path)
 
     bridge.metrics = metrics  # type: ignore[method-assign]
+    bridge.publish_tensors = publish_tensors  # type: ignore[method-assign, assignment]
     first = ParameterServer(bridge, options=ServerOptions(poll_s=0.02, linger_s=0.0, clock=FakeClock(50.0)))
     await first.start()
-    for r in range(2):
+    digests = []
+    for r in range(3):
         await _feed_round(first, theta0, r)
-    assert committed_before_update == [True, True]
-    assert [m[2]["state_round"] for m in network.metrics] == [1.0, 2.0]
+        assert first.core is not None
+        digests.append(checkpoint.state_digest(first.core.outer.state_dict()))
+    assert held_before_update == [True, True, True]
+    assert [m[2]["state_round"] for m in network.metrics][:2] == [1.0, 2.0]
     blob = network.published[("ps", "ps-state", 2)].read_bytes()
 
     # Execute: another machine (empty work dir), with t2 replaced by t3 meanwhile, gets the state.
@@ -331,13 +340,67 @@ async def test_a_replacement_server_elsewhere_restores_the_pushed_state_bit_for_
     core = await second.start()
 
     # Assert: the same θ_global and momentum bit for bit, the newcomer expected, the round republished.
-    assert first.core is not None
     assert core.round_number == 2 and core.outer.steps == 2
-    assert checkpoint.state_digest(core.outer.state_dict()) == checkpoint.state_digest(
-        first.core.outer.state_dict()
-    )
+    assert checkpoint.state_digest(core.outer.state_dict()) == digests[1]
     assert core.expected == {"t0", "t1", "t3"}
     assert set(elsewhere.published) == {("ps", "update", 1), ("ps", "global", 2)}
+
+
+@pytest.mark.parametrize("update_dtype", [common_pb2.DELTA_DTYPE_FP32, common_pb2.DELTA_DTYPE_INT8])
+async def test_a_server_restored_one_round_behind_redoes_it_from_the_resent_deltas_then_sends_whole(
+    tmp_path: Path, vit_dir: Path, theta0: dict[str, torch.Tensor], update_dtype: int
+) -> None:
+    # Prepare: a server completes rounds 0-2 and is lost while the scheduler still pulls round
+    # 2's state: what it holds is the state after two rounds.
+    network = _network(tmp_path / "a", vit_dir, rounds=6)
+    network.spec.diloco.update_dtype = update_dtype  # type: ignore[assignment]
+    lost = _server(network, FakeClock(50.0))
+    await lost.start()
+    for r in range(3):
+        await _feed_round(lost, theta0, r)
+    assert lost.core is not None
+    after_three = lost.core.outer.state_dict()
+    held = network.published[("ps", "ps-state", 2)].read_bytes()
+    elsewhere = _network(tmp_path / "b", vit_dir, rounds=6)
+    elsewhere.spec.diloco.update_dtype = update_dtype  # type: ignore[assignment]
+    elsewhere.start_rounds["ps"] = 2
+    elsewhere.deliver("scheduler", "ps", "ps-state", 2, 0, held)
+    restored = _server(elsewhere, FakeClock(50.0))
+    await restored.start()
+
+    # Execute: a trainer's round-3 delta comes first (it holds round 2's update), then each
+    # trainer sends its kept round-2 delta again, then the rest of round 3.
+    early = _received("t0", 3, 7, _delta(theta0, 30))
+    assert await restored.handle(early) is None
+    for i, peer in enumerate(TRAINERS):
+        await restored.handle(_received(peer, 2, SAMPLES[2][peer], _delta(theta0, 20 + i)))
+    redone = await restored.tick()
+    assert restored.core is not None
+    redone_state = {
+        part: {n: t.clone() for n, t in (restored.core.outer.state_dict()[part] or {}).items()}
+        for part in ("params", "momentum_buffer")
+    }
+    for i, peer in enumerate(TRAINERS[1:]):
+        await restored.handle(_received(peer, 3, 7, _delta(theta0, 31 + i)))
+    after = await restored.tick()
+
+    # Assert: round 2 redone bit for bit as the lost server did it; the early delta counted in
+    # round 3; both updates whole (no base round), so every trainer holds the restored θ_global.
+    # (θ_global exactly as an fp32 update sent it; with int8 updates up to the rounding a
+    # change carried, which the whole update then sets every trainer to).
+    assert redone is not None and redone.round_number == 2
+    assert after_three["momentum_buffer"] is not None
+    for name, momentum in after_three["momentum_buffer"].items():
+        assert torch.equal(redone_state["momentum_buffer"][name], momentum)
+        theta = redone_state["params"][name]
+        if update_dtype == common_pb2.DELTA_DTYPE_FP32:
+            assert torch.equal(theta, after_three["params"][name])
+        else:
+            assert torch.allclose(theta, after_three["params"][name], atol=1e-3)
+    assert after is not None and after.round_number == 3 and after.contributors == TRAINERS
+    for r in (2, 3):
+        update = elsewhere.published[("ps", "update", r)].read_bytes()
+        assert "update_base_round" not in read_metadata(update)
 
 
 async def test_a_server_left_behind_serves_the_newer_state_its_scheduler_pushed_when_a_later_delta_comes(

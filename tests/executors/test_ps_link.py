@@ -14,7 +14,7 @@ import pytest
 
 from hypha.errors import UnavailableError
 from hypha.worker.executors.diloco_trainer import TrainerOptions
-from hypha.worker.executors.ps_link import FINAL_UPDATE_TRIES, ParameterServerLink
+from hypha.worker.executors.ps_link import FINAL_UPDATE_TRIES, ParameterServerLink, SentDelta
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -57,7 +57,7 @@ async def test_a_final_round_update_is_waited_for_while_the_job_goes_on_and_the_
     delta = tmp_path / "delta.safetensors"
     delta.write_bytes(b"delta")
 
-    update = await _link(server, goes_on=[]).fetch_update(9, resend=(delta, 64), final=True)
+    update = await _link(server, goes_on=[]).fetch_update(9, resend=[SentDelta(delta, 9, 64)], final=True)
 
     assert update == b"update"
     assert server.deltas_after_restore >= 1  # the restored server got this trainer's Δ
@@ -70,7 +70,9 @@ async def test_a_final_round_update_not_served_once_the_job_is_over_is_given_up_
     delta = tmp_path / "delta.safetensors"
     delta.write_bytes(b"delta")
 
-    update = await _link(server, goes_on=[False]).fetch_update(9, resend=(delta, 64), final=True)
+    update = await _link(server, goes_on=[False]).fetch_update(
+        9, resend=[SentDelta(delta, 9, 64)], final=True
+    )
 
     assert update is None
     assert server.fetches == FINAL_UPDATE_TRIES

@@ -265,6 +265,38 @@ async def test_a_trainer_resends_its_delta_until_the_update_comes(
     assert all(torch.equal(trainer._global_sync.theta_global[n], theta[n]) for n in theta)
 
 
+async def test_a_trainer_keeps_its_last_delta_and_sends_it_again_first_until_the_next_update_comes(
+    tmp_path: Path, gpt2_dir: Path, slices: dict[str, list[Path]]
+) -> None:
+    # Prepare: no parameter server; updates are published by hand.
+    network = _network(tmp_path, gpt2_dir, slices, ("t0",), rounds=3)
+    network.policy = sync_every({"t0": 2})
+    trainer = _trainer(network, "t0", fetch_timeout_s=0.05)
+    task = asyncio.ensure_future(trainer.run())
+    await eventually(lambda: len(network.deltas(0)) >= 1, timeout=30)
+    theta = {n: torch.full_like(t, 0.5) for n, t in inner_steps.parameter_state(trainer.model).items()}  # type: ignore[arg-type]
+    path = tmp_path / "update.safetensors"
+    path.write_bytes(encode_state(theta, "fp32"))
+    await network.publish("ps", "update", 0, path)
+
+    # Execute: round 1's update does not come (a server restored one round behind).
+    await eventually(lambda: len(network.deltas(1)) >= 3, timeout=30)
+    round_zero = network.deltas(0)[0].data
+    await network.publish("ps", "update", 1, path)
+    await eventually(lambda: len(network.deltas(2)) >= 1, timeout=30)
+
+    # Assert: each wait for round 1's update sent round 0's delta (the same bytes) again just
+    # before round 1's; round 0's is dropped once round 1's update came, and nothing is left.
+    sends = [s.round for s in network.sent if s.kind == "delta"]
+    round_one = sends[sends.index(1) : sends.index(2)]
+    assert len(round_one) >= 5 and round_one == [1] + [0, 1] * ((len(round_one) - 1) // 2)
+    assert all(s.data == round_zero for s in network.deltas(0))
+    await network.publish("ps", "update", 2, path)
+    assert await asyncio.wait_for(task, 30) == 0
+    assert not list(trainer.work_dir.glob("delta-*"))
+    assert 0 not in [s.round for s in network.sent if s.kind == "delta"][sends.index(2) :]
+
+
 async def test_a_trainer_without_data_still_obeys_done(tmp_path: Path, gpt2_dir: Path) -> None:
     network = _network(tmp_path, gpt2_dir, {"t0": []}, ("t0",), rounds=3)
     calls = 0

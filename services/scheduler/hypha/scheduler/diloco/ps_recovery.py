@@ -4,8 +4,10 @@ One phase of a DiLoCo run (functions over its operations,
 ``hypha.scheduler.diloco.state``). Two events concern the server:
 
 - its round report carries ``state_round``: the scheduler pulls that state
-  and keeps it (``hypha.scheduler.diloco.ps_state``) before it answers, so no update
-  reaches a trainer before its state outlives the server's machine;
+  and keeps it (``hypha.scheduler.diloco.ps_state``) before it answers; the
+  server sends the next round's update only after that answer, so at most
+  one published round is not yet kept (a restored server redoes it from the
+  trainers' kept deltas);
 - its execution ends in failure (the process died: a new attempt is
   dispatched on the same worker, under the same lease) or its lease is lost
   (the worker died or is cut off: a new server is leased through the
@@ -24,8 +26,8 @@ Decisions (NOTE):
 - A dispatch that finds the failed execution still winding down
   (ALREADY_EXISTS) cancels it and tries again until ``dispatch_timeout_s``.
 - A commit that fails is logged, not raised: the server goes on either way
-  (it publishes once the report is answered), and losing it then redoes the
-  rounds since the newest kept state.
+  (it publishes once the report is answered), and losing it then restores
+  the newest kept state, older than the trainers' round.
 """
 
 from __future__ import annotations

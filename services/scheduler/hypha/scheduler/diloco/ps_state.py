@@ -6,8 +6,10 @@ optimizer's momentum and the round number into one safetensors blob
 and reports the round's metrics with ``state_round``. The scheduler pulls
 that blob from the server's worker (``PullTensors``, verified chunks) and
 writes it atomically under ``<state_dir>/ps-state/<job_id>/`` before it
-answers the report: the report is the round's commit, and the server
-publishes the round's update only afterwards. When the server is lost, its
+answers the report: the report is the round's commit. The server publishes
+the round's update before it reports (the pull runs while the next round
+trains) and the next round's update only after the answer; a server restored
+one round behind redoes that round from the trainers' kept deltas. When the server is lost, its
 replacement is dispatched with ``start_round`` = the kept round and the blob
 is pushed to it (``PushTensors``, kind ``ps-state``); see
 ``docs/fault-tolerance.md``.

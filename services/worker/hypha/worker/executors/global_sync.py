@@ -15,6 +15,11 @@ the parameter server sent and moves the tensors, through a
   a background task that returns the fragment's new θ_global;
   ``merge_fragment`` merges that into the model (``rebase_fragment``).
 
+Each Δ sent stays on disk until the next round's update has come: while it
+waits for an update the trainer sends it again before the current one
+(``ps_link``), so a parameter server restored one round behind this trainer
+can redo that round from the same deltas.
+
 An update is θ_global itself, or (``update_dtype`` other than fp32,
 ``hypha.diloco.updates``) its change since the θ_global of the round it names,
 added to the one held here. A trainer that holds θ_global of another round
@@ -43,7 +48,7 @@ from hypha.worker.executors.inner_steps import (
     encode_delta,
     parameter_state,
 )
-from hypha.worker.executors.ps_link import ParameterServerLink
+from hypha.worker.executors.ps_link import ParameterServerLink, SentDelta
 
 logger = logging.getLogger("hypha.worker.executors.global_sync")
 
@@ -77,10 +82,12 @@ class GlobalSync:
             self.fragments = [list(self.theta_global)]
         #: Samples trained since each fragment's last sync (streaming: a fragment's Δ weight).
         self._unsynced_samples = [0] * len(self.fragments or ())
+        #: The last round's Δ, kept until the next round's update comes (module doc).
+        self._kept: SentDelta | None = None
 
     async def join(self, model: nn.Module, round_number: int) -> int | None:
         """Set the model to the current θ_global; the round it belongs to, from its metadata (if said)."""
-        data = await self.link.fetch(GLOBAL, round_number, resend=None)
+        data = await self.link.fetch(GLOBAL, round_number)
         params = decode_global(data, self.theta_global)
         apply_global(model, params)
         self.theta_global = params
@@ -91,26 +98,43 @@ class GlobalSync:
 
     async def sync_model(self, model: nn.Module, round_number: int, samples: int, *, final: bool) -> int:
         """Send Δ (when ``samples``), wait for the round's update and set the model to it; Δ's size."""
-        delta_bytes = 0
-        delta_path: Path | None = None
+        sent = None
         if samples > 0:
             delta = compute_delta(model, self.theta_global)
-            blob = await asyncio.to_thread(encode_delta, delta, self.encoder, round_number, samples)
+            sent = await self._send(delta, round_number, samples)
             del delta
-            delta_bytes = len(blob)
-            delta_path = self.work_dir / f"delta-{round_number:08d}.safetensors"
-            await asyncio.to_thread(delta_path.write_bytes, blob)
-            del blob
-            await self.link.send_delta(delta_path, round_number, samples)
-        resend = None if delta_path is None else (delta_path, samples)
-        data = await self.link.fetch_update(round_number, resend=resend, final=final)
+        try:
+            data = await self.link.fetch_update(round_number, resend=self._resend(sent), final=final)
+        except BaseException:
+            self._keep(sent, final=True)
+            raise
         if data is not None:
             params = await self._updated(data, round_number, list(self.theta_global))
             apply_global(model, params)
             self.theta_global = params
-        if delta_path is not None:
-            delta_path.unlink(missing_ok=True)
-        return delta_bytes
+        return self._keep(sent, final=final)
+
+    async def _send(self, delta: dict[str, torch.Tensor], round_number: int, samples: int) -> SentDelta:
+        """Encode Δ, write it where it is kept, and send it."""
+        blob = await asyncio.to_thread(encode_delta, delta, self.encoder, round_number, samples)
+        sent = SentDelta(self.work_dir / f"delta-{round_number:08d}.safetensors", round_number, samples)
+        await asyncio.to_thread(sent.path.write_bytes, blob)
+        await self.link.send_delta(sent)
+        return sent
+
+    def _resend(self, sent: SentDelta | None) -> list[SentDelta]:
+        """What a wait for the update sends again: the kept Δ of the round before, then this one."""
+        return [s for s in (self._kept, sent) if s is not None]
+
+    def _keep(self, sent: SentDelta | None, *, final: bool) -> int:
+        """The round's update came: the Δ before it is no longer needed; keep ``sent`` (not after
+        the ``final`` round, or a failed wait). Returns ``sent``'s size in bytes."""
+        size = 0 if sent is None else sent.path.stat().st_size
+        for old in (self._kept, sent if final else None):
+            if old is not None:
+                old.path.unlink(missing_ok=True)
+        self._kept = None if final else sent
+        return size
 
     # ---- streaming: one fragment per round, in flight while training goes on ---------------
 
@@ -136,22 +160,14 @@ class GlobalSync:
 
         Returns its new θ_global (None: the final round's, not served) and the Δ's size in bytes.
         """
-        path: Path | None = None
-        size = 0
-        if samples > 0:
-            blob = await asyncio.to_thread(encode_delta, delta, self.encoder, round_number, samples)
-            size = len(blob)
-            path = self.work_dir / f"delta-{round_number:08d}.safetensors"
-            await asyncio.to_thread(path.write_bytes, blob)
-            del blob, delta
-            await self.link.send_delta(path, round_number, samples)
+        sent = await self._send(delta, round_number, samples) if samples > 0 else None
+        del delta
         try:
-            data = await self.link.fetch_update(
-                round_number, resend=None if path is None else (path, samples), final=final
-            )
-        finally:
-            if path is not None:
-                path.unlink(missing_ok=True)
+            data = await self.link.fetch_update(round_number, resend=self._resend(sent), final=final)
+        except BaseException:
+            self._keep(sent, final=True)
+            raise
+        size = self._keep(sent, final=final)
         if data is None:
             return None, size
         return await self._updated(data, round_number, names), size
@@ -172,7 +188,7 @@ class GlobalSync:
                 base,
                 self.global_round,
             )
-            whole = await self.link.fetch(GLOBAL, round_number + 1, resend=None)
+            whole = await self.link.fetch(GLOBAL, round_number + 1)
             params = decode_global(whole, self.theta_global)
         self.global_round = round_number + 1
         return params

@@ -14,20 +14,33 @@ module wires it to the bridge:
 - each delta from the bridge's inbox goes to the core; whenever a round
   completes, its state is written once as a pack file (``checkpoint.write_pack``),
   published as "ps-state" and committed as the local checkpoint
-  (``checkpoint.commit``); the round's figures go out as metrics, with
+  (``checkpoint.commit``); the new θ_global is published as that round's
+  "update" and as the next round's "global" (for late or replacement
+  trainers); then the round's figures go out as metrics, with
   ``state_round``: the scheduler pulls the pack before it acknowledges them
-  (the round's commit, ``docs/fault-tolerance.md``); then the new θ_global
-  is published as that round's "update" and as the next round's "global"
-  (for late or replacement trainers);
+  (the round's commit, ``docs/fault-tolerance.md``), while the next round
+  trains;
 - after the job's rounds, the final model is written as a ``from_pretrained``
   directory (``config.json`` + ``model.safetensors``, plus the preprocessor's
   files when the job has one) and handed to the bridge as the job's result.
 
 Decisions (NOTE):
-- Checkpoint, and hand the state to the scheduler, before publishing: once a
-  trainer may have seen round N's update, a restart (here or on another
-  worker) must not redo round N. A restarted server re-publishes the last
-  update and the current global, since a crash can fall between the two.
+- Checkpoint locally before publishing: once a trainer may have seen round N's
+  update, a restart of this process must not redo round N. A restarted server
+  re-publishes the last update and the current global, since a crash can
+  fall between the two.
+- The scheduler's copy of round N's state is pulled while round N+1 trains
+  (over a slow link the pull of θ_global and momentum, twice the model in
+  fp32, used to be most of the wait between rounds), and round N+1's update
+  waits for that commit: at most one published round is not yet held
+  elsewhere. A server restored elsewhere from round N-1's state redoes round
+  N from the same deltas (each trainer keeps its last Δ until the next
+  update, ``ps_link``); a delta for the round after the current one waits
+  here until that round starts. Since the trainers may hold a θ_global the
+  restored server rebuilds only up to rounding (the change of an
+  ``update_dtype`` round carries a residual the state does not), a restored
+  server sends its first updates whole, one per fragment and one more,
+  which sets every trainer to its θ_global.
 - A scheduler that cannot be reached does not stop the rounds: the metrics
   call failing is logged and the update published anyway (liveness over the
   state's durability for that round).
@@ -131,6 +144,12 @@ class ParameterServer:
         self.downlink: UpdateEncoder | None = None
         #: The job's model, built in the background from ``start`` on (``_model``).
         self._model_task: asyncio.Future[nn.Module] | None = None
+        #: The last completed round's report to the scheduler (its commit), in flight.
+        self._committing: asyncio.Future[None] | None = None
+        #: Deltas that came for the round after the current one, by sender (module NOTE).
+        self._early: dict[str, Received] = {}
+        #: Updates still to be sent whole after a restore (module NOTE).
+        self._whole_updates = 0
 
     async def run(self) -> int:
         """Serve the job's rounds, then publish the result; the process exit code."""
@@ -148,8 +167,9 @@ class ParameterServer:
         except process.FAILURES as exc:
             return await process.report_failure(self.bridge, "parameter server", exc)
         finally:
-            if self._model_task is not None and not self._model_task.done():
-                self._model_task.cancel()
+            for task in (self._model_task, self._committing):
+                if task is not None and not task.done():
+                    task.cancel()
         if self.options.linger_s > 0:
             await asyncio.sleep(self.options.linger_s)
         return 0
@@ -214,6 +234,8 @@ class ParameterServer:
             self.downlink = UpdateEncoder(update_dtype, core.outer.parameters())
         if core.fragments is not None:
             logger.info("streaming DiLoCo: %d fragments, one synced per round", len(core.fragments))
+        # Restored: the trainers may hold a θ_global one round on (module NOTE).
+        self._whole_updates = 0 if core.round_number == 0 else len(core.fragments or [()]) + 1
         path = await asyncio.to_thread(self._write_theta, core.round_number, core.outer.parameters())
         if core.round_number > 0:
             # The fragment of the last round has not moved since: its update, re-published.
@@ -246,9 +268,15 @@ class ParameterServer:
                 # A delta for a round this server has not reached: the job went on without it
                 # (a partition outlasted its lease, another server was restored) and its
                 # scheduler took this execution back to serve the newer kept state it pushes.
-                if not await self._catch_up(round_number):
+                if await self._catch_up(round_number):
+                    return await self.handle(received)
+                if round_number != core.round_number + 1:
                     raise
-                return await self.handle(received)
+                # This server was restored one round behind its trainers; it redoes that round
+                # from their kept deltas first (module NOTE).
+                self._early[peer] = received
+                logger.info("delta from %s for round %d kept until that round starts", peer, round_number)
+                return None
             except PermissionDeniedError:
                 if not await self._adopt_replacement(peer):
                     raise
@@ -271,15 +299,18 @@ class ParameterServer:
         update = core.maybe_complete(self.options.clock())
         if update is None:
             return None
+        # The round before must be held by the scheduler before this one's state and update go out.
+        await self._committed()
+        whole = self._whole_updates > 0
         change = None
-        if self.downlink is not None:
+        if self.downlink is not None and not whole:
             # Before the state is written: θ_global becomes what the trainers rebuild.
             change = await asyncio.to_thread(self._write_change, update)
-        # Both copies of the round's state must be durable before its update goes out: the
-        # state is written once, as a pack file in the checkpoint directory; it is committed
-        # there (a restarted process resumes from it; fsyncs and a sha256), and the new
-        # θ_global encoded, while the same file is published and committed at the scheduler.
-        # Nothing changes the core meanwhile: the next delta is handled only after this tick.
+        # The round's state is written once, as a pack file in the checkpoint directory, and
+        # committed there before its update goes out (a restarted process resumes from it;
+        # fsyncs and a sha256), while the new θ_global is encoded and the same file published
+        # for the scheduler to pull. Nothing changes the core meanwhile: the next delta is
+        # handled only after this tick.
         written = await asyncio.to_thread(checkpoint.write_pack, self.checkpoint_dir, core)
         saving = asyncio.ensure_future(asyncio.to_thread(checkpoint.commit, written))
         theta = asyncio.ensure_future(
@@ -295,18 +326,6 @@ class ParameterServer:
                 ", ".join(update.contributors),
                 f"; missing {', '.join(update.missing)}" if update.missing else "",
             )
-            figures = {
-                "contributors": float(len(update.contributors)),
-                "missing": float(len(update.missing)),
-                "samples": float(update.samples),
-                "outer_steps": float(core.outer.steps),
-                STATE_ROUND_KEY: float(core.round_number),
-            }
-            try:
-                # The commit: the scheduler answers once it holds this round's state.
-                await self.bridge.metrics(update.round_number, figures)
-            except UnavailableError as exc:  # the rounds go on (see the module's NOTE)
-                logger.warning("metrics of round %d not delivered: %s", update.round_number, exc.message)
         finally:
             await asyncio.wait([saving, theta])  # never leave a thread behind
         saving.result()  # a failed local checkpoint fails the server before the update leaves
@@ -315,15 +334,44 @@ class ParameterServer:
             update_path = change
         elif update.fragment is not None:
             update_path = await asyncio.to_thread(self._write_update, update.round_number, update.params)
+        if whole:
+            self._whole_updates -= 1
+            if self.downlink is not None:  # every trainer holds θ_global as sent whole
+                self.downlink = UpdateEncoder(update_wire_dtype(self.spec), core.outer.parameters())
         await self.bridge.publish_tensors(kind=UPDATE, round=update.round_number, path=update_path)
         await self.bridge.publish_tensors(kind=GLOBAL, round=update.next_round, path=path)
+        figures = {
+            "contributors": float(len(update.contributors)),
+            "missing": float(len(update.missing)),
+            "samples": float(update.samples),
+            "outer_steps": float(core.outer.steps),
+            STATE_ROUND_KEY: float(core.round_number),
+        }
+        self._committing = asyncio.ensure_future(self._commit(update.round_number, figures))
         self.updates.append(update)
         self._prune_published(update.next_round)
+        early, self._early = self._early, {}
+        for received in early.values():  # deltas that came for the round that starts now
+            await self.handle(received)
         return update
+
+    async def _commit(self, round_number: int, figures: dict[str, float]) -> None:
+        """Report the round: the scheduler answers once it holds the round's state (its commit)."""
+        try:
+            await self.bridge.metrics(round_number, figures)
+        except UnavailableError as exc:  # the rounds go on (see the module's NOTE)
+            logger.warning("metrics of round %d not delivered: %s", round_number, exc.message)
+
+    async def _committed(self) -> None:
+        """Wait for the last round's commit (if one is in flight)."""
+        committing, self._committing = self._committing, None
+        if committing is not None:
+            await committing
 
     async def finish(self) -> Path:
         """Write θ_global as the job's model directory and hand it over as the result."""
         core = self._core()
+        await self._committed()
         model = await self._model()
         apply_global(model, core.outer.parameters())
         result_dir = self.work_dir / "result"

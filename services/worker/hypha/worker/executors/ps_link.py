@@ -8,7 +8,13 @@ sent and what becomes of the answer is ``global_sync``'s.
 Decisions (NOTE):
 - While waiting for an update the trainer re-sends its delta after each
   fetch timeout: a parameter server that restarted lost the round in
-  progress and collects it afresh; a duplicate is ignored there.
+  progress and collects it afresh; a duplicate is ignored there. The
+  previous round's delta goes first, while the trainer keeps it
+  (``global_sync``): a server restored from the state its scheduler held may
+  be one round behind the update this trainer already has (the state of a
+  round is kept while the next one trains, docs/fault-tolerance.md) and
+  redoes that round from the same deltas; a server that is not behind drops
+  it as late.
 - After the final round's delta the trainer tries for the update only a few
   times: the job's result lives at the parameter server, which may already be
   gone.
@@ -21,7 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -33,6 +40,15 @@ logger = logging.getLogger(__name__)
 
 #: Fetches of the final round's update before the trainer ends without it.
 FINAL_UPDATE_TRIES = 3
+
+
+@dataclass(frozen=True)
+class SentDelta:
+    """A delta this trainer sent and keeps on disk to send again: its file, round and samples."""
+
+    path: Path
+    round: int
+    samples: int
 
 
 class LinkOptions(Protocol):
@@ -66,24 +82,29 @@ class ParameterServerLink:
         self.options = options
         self.job_goes_on = job_goes_on
 
-    async def send_delta(self, path: Path, round_number: int, samples: int) -> None:
+    async def send_delta(self, sent: SentDelta) -> None:
         """Send Δ; a failure is logged, not raised (the wait for the update sends it again)."""
         try:
             reply = await self.bridge.send_tensors(
-                peer=self.peer, kind=DELTA, round=round_number, samples=samples, path=path
+                peer=self.peer, kind=DELTA, round=sent.round, samples=sent.samples, path=sent.path
             )
         except UnavailableError as exc:
             raise_if_bridge_gone(exc)
-            logger.warning("delta for round %d not delivered: %s", round_number, exc.message)
+            logger.warning("delta for round %d not delivered: %s", sent.round, exc.message)
             return
         accepted, message = send_outcome(reply)
         if not accepted:
-            logger.warning("delta for round %d not delivered: %s", round_number, message)
+            logger.warning("delta for round %d not delivered: %s", sent.round, message)
+
+    async def send_again(self, resend: Sequence[SentDelta]) -> None:
+        """Send the kept deltas once more, oldest first (a restored server needs them in order)."""
+        for sent in resend:
+            await self.send_delta(sent)
 
     async def fetch(
-        self, kind: str, round_number: int, *, resend: tuple[Path, int] | None, tries: int | None = None
+        self, kind: str, round_number: int, *, resend: Sequence[SentDelta] = (), tries: int | None = None
     ) -> bytes:
-        """Fetch ``kind`` for the round from the parameter server, re-sending the delta between tries.
+        """Fetch ``kind`` for the round from the parameter server, re-sending ``resend`` between tries.
 
         Gives up (UnavailableError) after ``tries`` fetches, or once ``update_patience_s`` is spent.
         """
@@ -106,11 +127,10 @@ class ParameterServerLink:
                 return data
             if (tries is not None and attempt >= tries) or self.options.clock() >= deadline:
                 raise UnavailableError(f"no {kind} for round {round_number} from the parameter server")
-            if resend is not None:
-                await self.send_delta(resend[0], round_number, resend[1])
+            await self.send_again(resend)
 
     async def fetch_update(
-        self, round_number: int, *, resend: tuple[Path, int] | None, final: bool
+        self, round_number: int, *, resend: Sequence[SentDelta] = (), final: bool
     ) -> bytes | None:
         """The round's update; None when the ``final`` round's is not served (NOTE).
 
@@ -137,5 +157,4 @@ class ParameterServerLink:
             logger.info(
                 "no update for the final round %d yet and the job goes on: sending Δ again", round_number
             )
-            if resend is not None:
-                await self.send_delta(resend[0], round_number, resend[1])
+            await self.send_again(resend)
