@@ -16,7 +16,8 @@ feedback; θ_global comes down in fp32), ``compressed`` (int8 both ways: ``updat
 "int8"`` sends each round's change of θ_global in int8), ``overlap`` (``overlap_sync``),
 ``slow-link`` (int8 both ways and ``overlap_sync``), ``streaming`` (2 fragments, half the
 samples a round and twice the rounds: the same inner steps between two syncs of a fragment,
-the same samples in all).
+the same samples in all), ``fit`` (int8 both ways, rounds fitted to the link: from 10
+inner steps a round up to 200, ``max_samples_per_round``; twice the rounds).
 
 Figures per rate, each ``{variant: median over --repeats runs}``:
 ``ours_time_to_target_s``, submit to the write of the first θ_global at or above the target
@@ -58,6 +59,8 @@ VARIANTS: dict[str, tuple[str, int, int]] = {
     "overlap": ("overlap_sync = true", 50, 1),
     "slow-link": ('delta_dtype = "int8"\nupdate_dtype = "int8"\noverlap_sync = true', 50, 1),
     "streaming": ("streaming_fragments = 2", 25, 2),
+    # Rounds fitted to the link: from 10 inner steps a round up to 200 (``link_fit``).
+    "fit": ('delta_dtype = "int8"\nupdate_dtype = "int8"\nmax_samples_per_round = 25600', 10, 2),
 }
 #: Jobs get one torch thread, as each data-parallel rank has.
 OVERRIDES = {"worker": ["worker.jobs.threads_per_job=1"]}

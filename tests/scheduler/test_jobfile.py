@@ -151,6 +151,11 @@ def test_job_table_gets_defaults_for_what_it_leaves_out() -> None:
         DILOCO.replace("max_batch_size = 16", "max_batch_size = 16\nstreaming_fragments = 4")
     )
     assert streaming.diloco.streaming_fragments == 4
+    assert d.max_samples_per_round == 0  # fixed rounds
+    fitted = parse_job_toml(
+        DILOCO.replace("max_batch_size = 16", "max_batch_size = 16\nmax_samples_per_round = 1024")
+    )
+    assert fitted.diloco.max_samples_per_round == 1024
     assert not d.overlap_sync
     overlapped = parse_job_toml(
         DILOCO.replace("max_batch_size = 16", "max_batch_size = 16\noverlap_sync = true")
@@ -225,6 +230,10 @@ def test_malformed_resources_name_the_dotted_key(resources: str, expected: str) 
         (("max_batch_size = 16", "delta_topk = 1.5"), "job.delta_topk: must be 0 (off) or in"),
         (("max_batch_size = 16", 'update_dtype = "int4"'), "job.update_dtype: unknown dtype 'int4'"),
         (("max_batch_size = 16", 'delta_topk = "half"'), "job.delta_topk: must be a number"),
+        (
+            ("max_batch_size = 16", "max_samples_per_round = 100"),
+            "job.max_samples_per_round: must be 0 (rounds of samples_per_round) or at least",
+        ),
         (
             ("max_batch_size = 16", "streaming_fragments = 5000"),
             "job.streaming_fragments: must be 0 (off) or",

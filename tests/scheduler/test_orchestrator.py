@@ -24,8 +24,10 @@ from hypha.scheduler.config import SchedulerSection
 from hypha.scheduler.control_servicer import SchedulerControlServicer
 from hypha.scheduler.diloco import elastic
 from hypha.scheduler.diloco import run as diloco_run
+from hypha.scheduler.diloco.link_fit import link_fit_for
 from hypha.scheduler.diloco.round_planner import round_planners
 from hypha.scheduler.diloco.run import DilocoRun
+from hypha.scheduler.diloco.state import Trainer
 from hypha.scheduler.lifecycle import JobState
 from hypha.scheduler.orchestrator import Orchestrator
 from hypha.scheduler.store import JobStore
@@ -209,6 +211,30 @@ async def test_a_scale_target_must_be_a_positive_count_within_the_cap_on_a_start
     run.state.planner, run.state.ps_started = round_planners()(DILOCO.diloco), True
     elastic.check_target(run, elastic.MAX_WORKERS)
     assert run.state.target_workers == 2  # checking sets nothing
+
+
+async def test_a_job_fitted_to_its_link_plans_larger_rounds_once_its_trainers_wait_on_the_link(
+    store: JobStore, orchestrator: Orchestrator, tmp_path: Path
+) -> None:
+    # Prepare: a running job whose rounds may grow to 4x; its planner and two trainers.
+    spec = common_pb2.JobSpec()
+    spec.CopyFrom(DILOCO)
+    spec.diloco.max_samples_per_round = 256
+    job = await store.create(spec)
+    run = DilocoRun(job, orchestrator.runs, round_planners(), None, tmp_path)
+    run.state.planner = round_planners()(spec.diloco)
+    run.state.link_fit = link_fit_for(spec.diloco)
+    for worker in ("w1", "w2"):
+        run.state.trainers[worker] = Trainer(worker, None, 8, 0, 0)  # type: ignore[arg-type]
+
+    # Execute: each trainer reports two rounds of 32 samples in 0.32 s, waiting 0.1 s after each.
+    for round_ in (0, 1):
+        for worker in ("w1", "w2"):
+            values = {"samples": 32.0, "samples_per_second": 100.0, "sync_idle_seconds": 0.1}
+            await run.on_metrics(worker, round_, values)
+
+    # Assert: a 31 % wait asks for rounds 6x longer; the job's ceiling bounds them.
+    assert run.state.planner.samples_per_round == 256
 
 
 # ---- a job resumed after a restart (``hypha.scheduler.diloco.resume``) -----------------------

@@ -68,6 +68,7 @@ def diloco_table(table: Table) -> common_pb2.DilocoJobSpec:
     d.samples_per_round = table.integer(
         "samples_per_round", d.samples_per_round or Defaults.SAMPLES_PER_ROUND
     )
+    d.max_samples_per_round = table.integer("max_samples_per_round", 0)
     d.min_batch_size = table.integer("min_batch_size", d.min_batch_size or Defaults.MIN_BATCH_SIZE)
     d.max_batch_size = table.integer("max_batch_size", d.max_batch_size or Defaults.MAX_BATCH_SIZE)
     dtype = table.string("delta_dtype", "fp32").lower()
@@ -264,6 +265,11 @@ def check_diloco(d: common_pb2.DilocoJobSpec, key: Callable[[str], str]) -> None
         raise bad(key("trainer_executor"), f"needs a name, and class {TRAINER_CLASS!r} (the default)")
     check_positive(d.rounds, key("rounds"))
     check_positive(d.samples_per_round, key("samples_per_round"))
+    if d.max_samples_per_round and d.max_samples_per_round < d.samples_per_round:
+        raise bad(
+            key("max_samples_per_round"),
+            f"must be 0 (rounds of samples_per_round) or at least samples_per_round ({d.samples_per_round})",
+        )
     check_positive(d.num_workers, key("num_workers"))
     if d.num_workers > 1024:
         raise bad(key("num_workers"), "at most 1024")

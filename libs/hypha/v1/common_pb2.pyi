@@ -310,7 +310,7 @@ class NesterovConfig(_message.Message):
     def __init__(self, learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ...) -> None: ...
 
 class DilocoJobSpec(_message.Message):
-    __slots__ = ("model", "preprocessor", "dataset", "inner_optimizer", "outer_optimizer", "num_workers", "worker_requirements", "parameter_server_requirements", "worker_price", "parameter_server_price", "rounds", "samples_per_round", "min_batch_size", "max_batch_size", "delta_dtype", "quorum", "round_timeout_s", "selection_policy", "gpu_memory_per_sample_gb", "delta_topk", "streaming_fragments", "overlap_sync", "trainer_executor", "update_dtype")
+    __slots__ = ("model", "preprocessor", "dataset", "inner_optimizer", "outer_optimizer", "num_workers", "worker_requirements", "parameter_server_requirements", "worker_price", "parameter_server_price", "rounds", "samples_per_round", "min_batch_size", "max_batch_size", "delta_dtype", "quorum", "round_timeout_s", "selection_policy", "gpu_memory_per_sample_gb", "delta_topk", "streaming_fragments", "overlap_sync", "trainer_executor", "update_dtype", "max_samples_per_round")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PREPROCESSOR_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +335,7 @@ class DilocoJobSpec(_message.Message):
     OVERLAP_SYNC_FIELD_NUMBER: _ClassVar[int]
     TRAINER_EXECUTOR_FIELD_NUMBER: _ClassVar[int]
     UPDATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SAMPLES_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     model: ModelSpec
     preprocessor: PreprocessorSpec
     dataset: str
@@ -359,7 +360,8 @@ class DilocoJobSpec(_message.Message):
     overlap_sync: bool
     trainer_executor: ExecutorRef
     update_dtype: DeltaDType
-    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., preprocessor: _Optional[_Union[PreprocessorSpec, _Mapping]] = ..., dataset: _Optional[str] = ..., inner_optimizer: _Optional[_Union[AdamWConfig, _Mapping]] = ..., outer_optimizer: _Optional[_Union[NesterovConfig, _Mapping]] = ..., num_workers: _Optional[int] = ..., worker_requirements: _Optional[_Union[Requirements, _Mapping]] = ..., parameter_server_requirements: _Optional[_Union[Requirements, _Mapping]] = ..., worker_price: _Optional[_Union[PriceRange, _Mapping]] = ..., parameter_server_price: _Optional[_Union[PriceRange, _Mapping]] = ..., rounds: _Optional[int] = ..., samples_per_round: _Optional[int] = ..., min_batch_size: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., delta_dtype: _Optional[_Union[DeltaDType, str]] = ..., quorum: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., selection_policy: _Optional[str] = ..., gpu_memory_per_sample_gb: _Optional[float] = ..., delta_topk: _Optional[float] = ..., streaming_fragments: _Optional[int] = ..., overlap_sync: _Optional[bool] = ..., trainer_executor: _Optional[_Union[ExecutorRef, _Mapping]] = ..., update_dtype: _Optional[_Union[DeltaDType, str]] = ...) -> None: ...
+    max_samples_per_round: int
+    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., preprocessor: _Optional[_Union[PreprocessorSpec, _Mapping]] = ..., dataset: _Optional[str] = ..., inner_optimizer: _Optional[_Union[AdamWConfig, _Mapping]] = ..., outer_optimizer: _Optional[_Union[NesterovConfig, _Mapping]] = ..., num_workers: _Optional[int] = ..., worker_requirements: _Optional[_Union[Requirements, _Mapping]] = ..., parameter_server_requirements: _Optional[_Union[Requirements, _Mapping]] = ..., worker_price: _Optional[_Union[PriceRange, _Mapping]] = ..., parameter_server_price: _Optional[_Union[PriceRange, _Mapping]] = ..., rounds: _Optional[int] = ..., samples_per_round: _Optional[int] = ..., min_batch_size: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., delta_dtype: _Optional[_Union[DeltaDType, str]] = ..., quorum: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., selection_policy: _Optional[str] = ..., gpu_memory_per_sample_gb: _Optional[float] = ..., delta_topk: _Optional[float] = ..., streaming_fragments: _Optional[int] = ..., overlap_sync: _Optional[bool] = ..., trainer_executor: _Optional[_Union[ExecutorRef, _Mapping]] = ..., update_dtype: _Optional[_Union[DeltaDType, str]] = ..., max_samples_per_round: _Optional[int] = ...) -> None: ...
 
 class ExecutorRef(_message.Message):
     __slots__ = ("executor_class", "name", "builtin_fallback")

@@ -43,6 +43,7 @@ import grpc
 from hypha.errors import HyphaError
 from hypha.scheduler.diloco.dispatch import dispatch_trainer
 from hypha.scheduler.diloco.elastic import grow
+from hypha.scheduler.diloco.link_fit import link_fit_for
 from hypha.scheduler.diloco.ps_recovery import ps_trouble, restore_ps
 from hypha.scheduler.diloco.ps_state import KeptState, StateKeeper, packed_round
 from hypha.scheduler.diloco.slice_tracker import SliceTracker
@@ -74,6 +75,7 @@ async def resume(run: DilocoOps, saved: dict[str, Any]) -> None:
     state.data_providers = [provider_peer(record) for record in records]
     state.tracker = SliceTracker.from_snapshot(slices_from(saved))
     state.planner = run.planners(spec)
+    state.link_fit = link_fit_for(spec)  # fitted afresh: a restart starts at samples_per_round
     state.completed = int(saved["completed"])
     state.replacements_used = int(saved["replacements_used"])
     state.ps_attempt = int(saved["ps_attempt"])

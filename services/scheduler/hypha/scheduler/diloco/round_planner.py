@@ -160,6 +160,9 @@ def batch_size_for(
 class Planner(Protocol):
     """What orchestration calls: one answer per progress report."""
 
+    #: The samples a round should cover (the run may change it between rounds: ``link_fit``).
+    samples_per_round: int
+
     def add_worker(self, worker_id: str, batch_size: int) -> None: ...
     def remove_worker(self, worker_id: str) -> None: ...
     def report(self, worker_id: str, progress: Progress, now: float) -> Directive: ...

@@ -19,6 +19,7 @@ from typing import Protocol
 
 from hypha.dht.records import ProviderRecord
 from hypha.market.allocator import HeldLease
+from hypha.scheduler.diloco.link_fit import LinkFit
 from hypha.scheduler.diloco.ps_state import StateKeeper
 from hypha.scheduler.diloco.round_planner import Planner, PlannerFactory
 from hypha.scheduler.diloco.slice_tracker import SliceTracker
@@ -54,6 +55,8 @@ class DilocoState:
     trainers: dict[str, Trainer] = field(default_factory=dict)
     tracker: SliceTracker | None = None
     planner: Planner | None = None
+    #: Samples per round fitted to the link (``max_samples_per_round``), None: fixed.
+    link_fit: LinkFit | None = None
     data_providers: list[common_pb2.PeerInfo] = field(default_factory=list)
     #: Rounds the parameter server completed.
     completed: int = 0
