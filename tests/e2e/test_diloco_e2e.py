@@ -87,6 +87,14 @@ async def test_diloco_job_trains_through_the_relay_and_the_model_comes_back(
     cluster: E2ECluster, tmp_path: Path
 ) -> None:
     started = time.monotonic()
+    # The server is to start warm: its worker's spare must be ready before the job is dispatched
+    # (on a loaded machine the spare was seen ready 0.1 s after the first job's dispatch).
+    await eventually(
+        lambda: "warm executor ready" in cluster.log("worker3"),
+        timeout=60,
+        interval=0.1,
+        message="worker3's warm spare ready",
+    )
     job_id = await cluster.submit(diloco_toml(cluster.model_dir, rounds=3))
 
     job = await cluster.wait(job_id, timeout_s=150)

@@ -4,8 +4,8 @@ The cluster: ``worker0`` and ``worker1`` train; ``worker2`` and ``worker3``
 only run parameter servers (one serves the job, the other is the spare the
 market finds when the first one's machine dies). Every round the parameter
 server hands its packed state (θ_global, outer momentum, round) to the
-scheduler before it publishes the round's update; a lost server is restored
-from that state (``docs/fault-tolerance.md``).
+scheduler, before it publishes the next round's update; a lost server is
+restored from that state (``docs/fault-tolerance.md``).
 
 1. The server's process is SIGKILLed (its worker lives on): the scheduler
    dispatches a new attempt under the same lease, pushes the kept state and
