@@ -242,28 +242,13 @@ def run_figures(run: Mapping[str, Any], target: float) -> dict[str, Any]:
         "ours_round_s": round(statistics.median(gaps), 2) if gaps else None,
         "ours_bytes": sum(link.total for link in links),
         "ours_trainer_bytes": round(statistics.mean(trainers)) if trainers else None,
-        "ours_samples_per_trainer": samples_before(run, run["rounds"]),
+        "ours_samples_per_trainer": run["rounds"] * run["samples_per_round"],
         "utilization": run["utilization"],
         # Round -> (seconds since the submit, samples per trainer, held-out exact match).
-        "ours_curve": {str(r): [round(at[r], 1), samples_before(run, r), acc] for r, acc in curve.items()},
+        "ours_curve": {
+            str(r): [round(at[r], 1), r * run["samples_per_round"], acc] for r, acc in curve.items()
+        },
     }
-
-
-def samples_by_round(points: Sequence[Any], trainers: Sequence[str]) -> dict[str, float]:
-    """Round -> the samples a trainer trained in it (mean over ``trainers``), from their metrics:
-    rounds fitted to the link (``max_samples_per_round``) vary."""
-    by_round: dict[int, list[float]] = {}
-    for p in points:
-        if p.name == "samples" and p.worker_id in trainers:
-            by_round.setdefault(int(p.round), []).append(p.value)
-    return {str(r): statistics.mean(v) for r, v in sorted(by_round.items())}
-
-
-def samples_before(run: Mapping[str, Any], rounds: int) -> int:
-    """A trainer's samples in the first ``rounds`` rounds (the job's planned size where a round
-    reported none)."""
-    reported = run.get("samples_by_round", {})
-    return round(sum(reported.get(str(r), run["samples_per_round"]) for r in range(rounds)))
 
 
 @dataclass(frozen=True)
@@ -342,7 +327,6 @@ async def _job(lab: WanLab, supervisor: Any, spec: Mapping[str, Any]) -> dict[st
         ],
         "trainer_sites": [peers[w] for w in trainer_ids],
         "utilization": utilization(points, trainer_ids),
-        "samples_by_round": samples_by_round(points, trainer_ids),
     }
 
 

@@ -32,10 +32,15 @@ Decisions (NOTE):
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hypha.errors import InvalidArgumentError
+from hypha.scheduler.diloco.round_planner import Planner
 from hypha.v1 import common_pb2
+
+log = logging.getLogger(__name__)
 
 #: The wait a fitted round aims for, as a share of its compute.
 DEFAULT_IDLE_SHARE = 0.05
@@ -114,4 +119,19 @@ def link_fit_for(spec: common_pb2.DilocoJobSpec) -> LinkFit | None:
     return LinkFit(floor, ceiling) if ceiling > floor else None
 
 
-__all__ = ["DEFAULT_IDLE_SHARE", "LinkFit", "link_fit_for"]
+def refit(
+    fit: LinkFit | None, planner: Planner | None, round_: int, values: Mapping[str, float], job_id: str
+) -> int | None:
+    """A trainer's round metrics to the job's fit; a new size goes to its planner (and is returned)."""
+    if fit is None or planner is None or "sync_idle_seconds" not in values:
+        return None
+    chosen = fit.observe(
+        round_, values["sync_idle_seconds"], values.get("samples", 0.0), values.get("samples_per_second", 0.0)
+    )
+    if chosen is not None:
+        log.info("job %s: %d samples a round from now on (fitted to the link)", job_id, chosen)
+        planner.samples_per_round = chosen
+    return chosen
+
+
+__all__ = ["DEFAULT_IDLE_SHARE", "LinkFit", "link_fit_for", "refit"]

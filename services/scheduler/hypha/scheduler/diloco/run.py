@@ -56,9 +56,8 @@ from hypha.errors import FailedPreconditionError, HyphaError
 from hypha.market.allocator import HeldLease
 from hypha.market.resources import Requirements
 from hypha.net.backoff import Backoff
-from hypha.scheduler.diloco import elastic
+from hypha.scheduler.diloco import elastic, link_fit
 from hypha.scheduler.diloco.dispatch import dispatch_ps, dispatch_trainer
-from hypha.scheduler.diloco.link_fit import link_fit_for
 from hypha.scheduler.diloco.ps_recovery import commit, lease_servers, ps_trouble
 from hypha.scheduler.diloco.ps_state import STATE_ROUND_KEY, StateKeeper
 from hypha.scheduler.diloco.resume import resume
@@ -275,20 +274,8 @@ class DilocoRun(JobRun):
         trainer = state.trainers.get(worker_id)
         if trainer is not None and "samples_per_second" in values:
             trainer.samples_per_second = values["samples_per_second"]
-            self._fit_to_link(round_, values)
+            link_fit.refit(state.link_fit, state.planner, round_, values, self.job_id)
         await self._store_progress()
-
-    def _fit_to_link(self, round_: int, values: dict[str, float]) -> None:
-        """A trainer's round figures to the job's ``LinkFit``; its new size to the planner."""
-        fit, planner = self.state.link_fit, self.state.planner
-        if fit is None or planner is None or "sync_idle_seconds" not in values:
-            return
-        chosen = fit.observe(
-            round_, values["sync_idle_seconds"], values.get("samples", 0.0), values["samples_per_second"]
-        )
-        if chosen is not None:
-            log.info("job %s: %d samples a round from now on (fitted to the link)", self.job_id, chosen)
-            planner.samples_per_round = chosen
 
     def samples_per_second(self, worker_id: str) -> float:
         trainer = self.state.trainers.get(worker_id)
@@ -343,8 +330,7 @@ class DilocoRun(JobRun):
         records = await self.find_providers(spec.dataset)
         state.data_providers = [provider_peer(record) for record in records]
         state.tracker = SliceTracker(max(record.slice_count for record in records))
-        state.planner = self.planners(spec)
-        state.link_fit = link_fit_for(spec)
+        state.planner, state.link_fit = self.planners(spec), link_fit.link_fit_for(spec)
         queued = Backoff(runs.jobs_cfg.queue_retry_s, MAX_QUEUE_RETRY_S)
         while True:
             try:
