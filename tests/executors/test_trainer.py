@@ -246,6 +246,14 @@ async def test_a_restarted_trainer_resumes_from_its_checkpoint_and_pulls_global(
         assert torch.equal(p.detach(), ps.core.outer.parameters()[name])
 
 
+def _whole_update(trainer: DilocoTrainer, tmp_path: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """θ_global of 0.5 everywhere, written as an fp32 update file to publish by hand."""
+    theta = {n: torch.full_like(t, 0.5) for n, t in inner_steps.parameter_state(trainer.model).items()}  # type: ignore[arg-type]
+    path = tmp_path / "update.safetensors"
+    path.write_bytes(encode_state(theta, "fp32"))
+    return theta, path
+
+
 async def test_a_trainer_resends_its_delta_until_the_update_comes(
     tmp_path: Path, gpt2_dir: Path, slices: dict[str, list[Path]]
 ) -> None:
@@ -255,9 +263,7 @@ async def test_a_trainer_resends_its_delta_until_the_update_comes(
     task = asyncio.ensure_future(trainer.run())
     # No parameter server runs: every fetch times out and the trainer sends its delta again.
     await eventually(lambda: len(network.deltas(0)) >= 3, timeout=30)
-    theta = {n: torch.full_like(t, 0.5) for n, t in inner_steps.parameter_state(trainer.model).items()}  # type: ignore[arg-type]
-    path = tmp_path / "update.safetensors"
-    path.write_bytes(encode_state(theta, "fp32"))
+    theta, path = _whole_update(trainer, tmp_path)
     await network.publish("ps", "update", 0, path)
 
     assert await asyncio.wait_for(task, 30) == 0
@@ -274,9 +280,7 @@ async def test_a_trainer_keeps_its_last_delta_and_sends_it_again_first_until_the
     trainer = _trainer(network, "t0", fetch_timeout_s=0.05)
     task = asyncio.ensure_future(trainer.run())
     await eventually(lambda: len(network.deltas(0)) >= 1, timeout=30)
-    theta = {n: torch.full_like(t, 0.5) for n, t in inner_steps.parameter_state(trainer.model).items()}  # type: ignore[arg-type]
-    path = tmp_path / "update.safetensors"
-    path.write_bytes(encode_state(theta, "fp32"))
+    _, path = _whole_update(trainer, tmp_path)
     await network.publish("ps", "update", 0, path)
 
     # Execute: round 1's update does not come (a server restored one round behind).
