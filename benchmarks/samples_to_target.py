@@ -1,7 +1,7 @@
 """Samples to 90 % held-out exact match on the demo's task: per-step data parallel beside DiLoCo
 settings, over several data orders, in one run (issue 30, "Fit the sync to the link").
 
-    python benchmarks/samples_to_target.py [--quick] [--variants ddp,diloco,int8,overlap,h10]
+    python benchmarks/samples_to_target.py [--quick] [--variants ddp,diloco,int8,overlap,h10,outer-0.7-0.9]
         [--seeds 0,1,2] [--max-samples N] [--eval-every N] [--target 0.9] [--plot PNG]
 
 The link does not change the arithmetic of a synchronous job, only its time: this benchmark
@@ -20,7 +20,11 @@ error feedback (``delta_dtype`` and ``update_dtype``, the real codecs:
 ``hypha.tensors.deltas.DeltaEncoder``, ``hypha.diloco.updates``); ``overlap``, the demo's job
 with each round's update merged one round late (``overlap_sync`` on a link slow enough that
 the update lands at the end of the next round: the worst case, kept steps rebased as the
-trainer does); ``h10``, 10 inner steps a round.
+trainer does); ``h10``, 10 inner steps a round; ``outer-LR-M`` (any learning rate and
+momentum, e.g. ``outer-0.7-0.9``, the DiLoCo paper's and the job's default), the demo's job
+with that outer Nesterov step instead of plain averaging; ``overlap-K``, overlapped rounds whose
+update lands after K of the next round's inner steps (a fast link: the update's flight is
+a few steps).
 
 Held-out exact match (greedy, 500 held-out sums: ``demo_eval.score``) every ``--eval-every``
 samples (all trainers together), until the target or ``--max-samples``. Runs go two at a
@@ -49,6 +53,10 @@ from typing import Any
 from _common import report
 
 VARIANTS = ("ddp", "diloco", "int8", "overlap", "h10")
+#: ``outer-LR-M``: the demo's job with that outer learning rate and momentum.
+OUTER = "outer-"
+#: ``overlap-K``: overlapped rounds whose update lands after K of the next round's inner steps.
+OVERLAP = "overlap-"
 TRAINERS = 2
 HELDOUT = 500
 
@@ -141,25 +149,32 @@ def _diloco(spec: Run, rows_at: Callable[..., Any], scored: Callable[..., bool],
     inner_steps = 10 if spec.variant == "h10" else 50
     trainers = [_model(spec) for _ in range(TRAINERS)]
     theta = parameter_state(trainers[0][0])
-    outer = NesterovOuter(theta, 1.0, 0.0)
+    outer = NesterovOuter(theta, *outer_settings(spec.variant))
     int8 = spec.variant == "int8"
     up = [DeltaEncoder("int8") for _ in trainers] if int8 else None
     down = UpdateEncoder("int8", theta) if int8 else None
     late: tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]] | None = None
+    lag = overlap_lag(spec.variant, inner_steps)
+
+    def merge(model: torch.nn.Module, new: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> None:
+        """The last round's update lands: θ_global plus the steps taken since the send."""
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.add_(new[name] - before[name])
+
     samples, due, round_number = 0, spec.eval_every, 0
     while samples + TRAINERS * inner_steps * batch <= spec.max_samples:
         for t, (model, optimizer, settings) in enumerate(trainers):
             for i in range(inner_steps):
+                if late is not None and i == lag:
+                    merge(model, late[0], late[1][t])
                 start = samples + (t * inner_steps + i) * batch
                 train_step(model, optimizer, ModelKind.CAUSAL_LM, rows_at(start, batch), settings)
+            if late is not None and lag == inner_steps:
+                merge(model, late[0], late[1][t])
         samples += TRAINERS * inner_steps * batch
-        if late is not None:  # overlap: last round's update lands now, the round's steps kept
-            new, sent = late
-            with torch.no_grad():
-                for (model, _, _), before in zip(trainers, sent, strict=True):
-                    for name, p in model.named_parameters():
-                        p.add_(new[name] - before[name])
-            theta = new
+        if late is not None:
+            theta, late = late[0], None
         deltas = [compute_delta(model, theta) for model, _, _ in trainers]
         if up is not None:
             deltas = [decode_state(e.encode(d), torch.float32) for e, d in zip(up, deltas, strict=True)]
@@ -170,7 +185,7 @@ def _diloco(spec: Run, rows_at: Callable[..., Any], scored: Callable[..., bool],
         else:
             new = {n: t.clone() for n, t in live.items()}
         round_number += 1
-        if spec.variant == "overlap":
+        if lag is not None:
             late = (new, [parameter_state(model) for model, _, _ in trainers])
         else:
             theta = new
@@ -179,11 +194,43 @@ def _diloco(spec: Run, rows_at: Callable[..., Any], scored: Callable[..., bool],
         if samples >= due:
             due += spec.eval_every
             scoring = trainers[0][0]
-            if spec.variant == "overlap":
+            if lag is not None:
                 scoring = _model(spec)[0]
                 apply_global(scoring, new)
             if scored(samples, scoring):
                 return
+
+
+def overlap_lag(variant: str, inner_steps: int) -> int | None:
+    """Overlapped rounds: after how many of the next round's inner steps a round's update lands
+    (``overlap``: all of them; ``overlap-K``: K). None: synchronous rounds."""
+    if variant == "overlap":
+        return inner_steps
+    if variant.startswith(OVERLAP):
+        return int(variant.removeprefix(OVERLAP))
+    return None
+
+
+def outer_settings(variant: str) -> tuple[float, float]:
+    """The outer step's (learning rate, momentum): the demo's plain averaging unless the variant
+    is ``outer-LR-M``."""
+    if not variant.startswith(OUTER):
+        return 1.0, 0.0
+    lr, _, momentum = variant.removeprefix(OUTER).partition("-")
+    return float(lr), float(momentum)
+
+
+def _known(variant: str) -> bool:
+    if variant in VARIANTS:
+        return True
+    if variant.startswith(OVERLAP):
+        lag = variant.removeprefix(OVERLAP)
+        return lag.isdigit() and 1 <= int(lag) <= 50
+    try:
+        lr, momentum = outer_settings(variant)
+    except ValueError:
+        return False
+    return variant.startswith(OUTER) and lr > 0 and 0 <= momentum < 1
 
 
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
@@ -219,7 +266,7 @@ def plot(variants: Mapping[str, Any], path: Path, target: float) -> None:
     fig = Figure(figsize=(8.0, 5.6), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots()
-    colors = dict(zip(variants, ("C0", "C1", "C2", "C3", "C4", "C5"), strict=False))
+    colors = {variant: f"C{i % 10}" for i, variant in enumerate(variants)}
     for variant, row in variants.items():
         for i, curve in enumerate(row["curves"]):
             axes.plot(
@@ -243,7 +290,11 @@ def plot(variants: Mapping[str, Any], path: Path, target: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="ddp and diloco, one seed, 12,800 samples")
-    parser.add_argument("--variants", type=_csv(str), help=f"of {', '.join(VARIANTS)} (default all)")
+    parser.add_argument(
+        "--variants",
+        type=_csv(str),
+        help=f"of {', '.join(VARIANTS)}, outer-LR-M, overlap-K (default the five)",
+    )
     parser.add_argument("--seeds", type=_csv(int), help="data orders (default 0,1,2; --quick 0)")
     parser.add_argument("--max-samples", type=int, help="per run, all trainers (default 400,000)")
     parser.add_argument("--eval-every", type=int, help="samples between scores (default 12,800)")
@@ -252,9 +303,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="runs at once")
     args = parser.parse_args()
     variants = args.variants or (["ddp", "diloco"] if args.quick else list(VARIANTS))
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if not _known(v)]
     if unknown:
-        parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+        parser.error(
+            f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}, outer-LR-M"
+            " (LR > 0, 0 <= M < 1) or overlap-K (1 <= K <= 50)"
+        )
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     max_samples = args.max_samples or (12_800 if args.quick else 400_000)
     eval_every = args.eval_every or (6_400 if args.quick else 12_800)

@@ -39,3 +39,32 @@ def test_the_quick_run_scores_each_variant_at_its_rounds_and_counts_a_miss_as_th
         assert row["samples"] == [None] and row["median"] == 12800
     assert result["figure"] == 12800 and result["ratio"] == 1.0
     assert (tmp_path / "curve.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "outer-",
+        "outer-0.7",
+        "outer-0-0.9",
+        "outer-0.7-1.0",
+        "outer-x-0.9",
+        "h20",
+        "overlap-0",
+        "overlap-51",
+        "overlap-x",
+    ],
+)
+def test_an_unknown_or_out_of_range_variant_is_refused_with_the_forms_it_takes(variant: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--variants", f"diloco,{variant}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert (
+        f"unknown {variant};" in done.stderr
+        and "outer-LR-M (LR > 0, 0 <= M < 1) or overlap-K (1 <= K <= 50)" in done.stderr
+    )

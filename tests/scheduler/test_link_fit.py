@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hypha.errors import InvalidArgumentError
-from hypha.scheduler.diloco.link_fit import LinkFit, link_fit_for
+from hypha.scheduler.diloco.link_fit import LinkFit, link_fit_for, resumed
+from hypha.scheduler.diloco.round_planner import round_planners
 from hypha.v1 import common_pb2
 
 
@@ -58,3 +61,31 @@ def test_the_fit_is_on_only_when_the_job_allows_more_samples_and_a_bad_range_is_
     assert fit is not None and (fit.floor, fit.ceiling, fit.samples) == (512, 4096, 512)
     with pytest.raises(InvalidArgumentError):
         LinkFit(floor=512, ceiling=256)
+
+
+def test_a_restarted_scheduler_goes_on_from_the_saved_fit_within_the_jobs_range() -> None:
+    # Prepare: a fit that grew the rounds, and the same job's fit never interrupted.
+    spec = common_pb2.DilocoJobSpec(samples_per_round=1024, max_samples_per_round=8192, rounds=10)
+    fit, uninterrupted = link_fit_for(spec), link_fit_for(spec)
+    assert fit is not None and uninterrupted is not None
+    fit.alpha = uninterrupted.alpha = 0.5
+    for f in (fit, uninterrupted):
+        _round(f, 0, 1.28, samples=1024)
+        assert _round(f, 1, 1.28, samples=1024) == 5120
+    planner = round_planners()(spec)
+
+    # Execute: the saved state (as JSON, the way the store keeps it) into a new scheduler's run.
+    saved = json.loads(json.dumps({"version": 2, "link_fit": fit.saved()}))
+    restored = resumed(spec, saved, planner)
+
+    # Assert: the planner goes on at the fitted size, and the next rounds fit as they would have:
+    # a faster link asks for 2560, smoothed with the saved 5120 (a fit started afresh: 2560).
+    assert restored is not None and planner.samples_per_round == 5120
+    for f in (restored, uninterrupted):
+        _round(f, 2, 0.64, samples=5120)
+    assert _round(restored, 3, 0.64, samples=5120) == _round(uninterrupted, 3, 0.64, samples=5120) == 3840
+    # A state saved before the fit existed, or under a narrower range, still resumes sanely.
+    assert resumed(spec, {"version": 2}, planner) is not None and planner.samples_per_round == 5120
+    narrower = common_pb2.DilocoJobSpec(samples_per_round=1024, max_samples_per_round=2048, rounds=10)
+    assert resumed(narrower, saved, planner) is not None and planner.samples_per_round == 2048
+    assert resumed(common_pb2.DilocoJobSpec(samples_per_round=1024), saved, planner) is None

@@ -28,6 +28,10 @@ Decisions (NOTE):
   who wants a fixed sample budget sets ``rounds`` for the slow case.
 - A new size applies to the plans made from then on: the round in progress
   too, if its sync point is not planned yet.
+- The chosen size and the smoothed figure are part of the run's saved state
+  (``saved``, ``restore``): a restarted scheduler goes on from the size the link
+  asked for instead of starting again at ``samples_per_round``. The round that
+  was open is not: its reports come again, or not at all.
 """
 
 from __future__ import annotations
@@ -101,6 +105,17 @@ class LinkFit:
         current.idle_s = max(current.idle_s, idle_s)
         return None if done is None else self._refit(done)
 
+    def saved(self) -> dict[str, float]:
+        """What a restarted scheduler needs to go on (JSON-able; ``restore``)."""
+        return {"samples": self.samples} | ({} if self.wanted is None else {"wanted": self.wanted})
+
+    def restore(self, saved: Mapping[str, float]) -> int:
+        """Go on from a saved fit (``saved``), kept within this job's range; the samples per round."""
+        self.samples = max(self.floor, min(self.ceiling, int(saved.get("samples", self.samples))))
+        wanted = saved.get("wanted")
+        self.wanted = None if wanted is None else float(wanted)
+        return self.samples
+
     def _refit(self, done: _Round) -> int | None:
         if done.compute_s <= 0:
             return None
@@ -119,6 +134,16 @@ def link_fit_for(spec: common_pb2.DilocoJobSpec) -> LinkFit | None:
     return LinkFit(floor, ceiling) if ceiling > floor else None
 
 
+def resumed(spec: common_pb2.DilocoJobSpec, saved: Mapping[str, object], planner: Planner) -> LinkFit | None:
+    """The job's fit after a scheduler restart, from its saved run state (``LinkFit.saved`` under
+    ``"link_fit"``); the planner is set to the samples per round it goes on from."""
+    fit = link_fit_for(spec)
+    kept = saved.get("link_fit")
+    if fit is not None and isinstance(kept, Mapping):
+        planner.samples_per_round = fit.restore(kept)
+    return fit
+
+
 def refit(
     fit: LinkFit | None, planner: Planner | None, round_: int, values: Mapping[str, float], job_id: str
 ) -> int | None:
@@ -134,4 +159,4 @@ def refit(
     return chosen
 
 
-__all__ = ["DEFAULT_IDLE_SHARE", "LinkFit", "link_fit_for", "refit"]
+__all__ = ["DEFAULT_IDLE_SHARE", "LinkFit", "link_fit_for", "refit", "resumed"]

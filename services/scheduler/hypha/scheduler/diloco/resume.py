@@ -7,7 +7,8 @@ state dir), ``JobStore.recover`` hands the job back as resumed and ``resume``
 rebuilds the run:
 
 - the dataset's providers are looked up again; the slice tracker, the
-  rounds and the newest kept parameter-server state come back from disk;
+  rounds, the samples per round fitted to the link and the newest kept
+  parameter-server state come back from disk;
   a growth cut short by the restart goes on, a shrink waits for the next round;
 - every saved lease is taken back (``SchedulerMarket.adopt``: one renewal,
   which the worker honours because the holder's identity is the same);
@@ -43,7 +44,7 @@ import grpc
 from hypha.errors import HyphaError
 from hypha.scheduler.diloco.dispatch import dispatch_trainer
 from hypha.scheduler.diloco.elastic import grow
-from hypha.scheduler.diloco.link_fit import link_fit_for
+from hypha.scheduler.diloco.link_fit import resumed
 from hypha.scheduler.diloco.ps_recovery import ps_trouble, restore_ps
 from hypha.scheduler.diloco.ps_state import KeptState, StateKeeper, packed_round
 from hypha.scheduler.diloco.slice_tracker import SliceTracker
@@ -75,7 +76,7 @@ async def resume(run: DilocoOps, saved: dict[str, Any]) -> None:
     state.data_providers = [provider_peer(record) for record in records]
     state.tracker = SliceTracker.from_snapshot(slices_from(saved))
     state.planner = run.planners(spec)
-    state.link_fit = link_fit_for(spec)  # fitted afresh: a restart starts at samples_per_round
+    state.link_fit = resumed(spec, saved, state.planner)
     state.completed = int(saved["completed"])
     state.replacements_used = int(saved["replacements_used"])
     state.ps_attempt = int(saved["ps_attempt"])

@@ -5,9 +5,9 @@ one row per part, in one transaction), everything the scheduler's memory alone
 held: the leases of its parameter server and trainers (with the workers'
 addresses and capacity, so they can be reached without a new offer), each
 trainer's batch size, attempt and start round, the completed rounds, the
-replacements used, the target trainer count (``hypha scale``, ``elastic``), and
-the slice tracker's header and one row per slice that was ever used
-(``SliceTracker.take_changes``). It is saved when the job starts running, at
+replacements used, the target trainer count (``hypha scale``, ``elastic``), the
+samples per round fitted to the link (``link_fit``), and the slice tracker's
+header and one row per slice that was ever used (``SliceTracker.take_changes``). It is saved when the job starts running, at
 each slice handed out, after each completed round and after each replacement,
 restore or scale. The parameter server's state (θ_global, momentum) is kept per
 round in the state dir (``ps_state``). ``resume`` rebuilds the run from it.
@@ -99,7 +99,8 @@ def run_parts(run: DilocoOps) -> dict[str, Any]:
         return lease_to_dict(held, market.worker_addresses(worker), market.worker_capacity(worker))
 
     assert state.ps is not None
-    return {
+    fitted = {} if state.link_fit is None else {"link_fit": state.link_fit.saved()}
+    return fitted | {
         "version": VERSION,
         "completed": state.completed,
         "replacements_used": state.replacements_used,
