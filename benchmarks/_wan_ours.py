@@ -24,8 +24,9 @@ Figures per rate, each ``{variant: median over --repeats runs}``:
 (None: never reached); ``ours_accuracy``, the last scored θ's held-out exact match;
 ``ours_seconds``, submit to the job's end; ``ours_start_s``, submit to θ_0 (scheduling and the
 executors' start); ``ours_round_s``, the median time between two published θ;
-``ours_bytes``, every worker link's veth counters over the job, both directions (a trainer's
-exchange with the parameter server counts on both links); ``ours_trainer_bytes``, a
+``ours_samples_per_trainer``, the samples a trainer trained (mean over the trainers, from
+their round metrics); ``ours_bytes``, every worker link's veth counters over the job, both
+directions (a trainer's exchange with the parameter server counts on both links); ``ours_trainer_bytes``, a
 trainer's own link (Δ up; θ_global and its data slices down; control traffic);
 ``utilization`` (see ``utilization``); ``ours_curve``, per run, round -> [seconds since the
 submit, samples per trainer, held-out exact match] of each scored θ.
@@ -242,13 +243,31 @@ def run_figures(run: Mapping[str, Any], target: float) -> dict[str, Any]:
         "ours_round_s": round(statistics.median(gaps), 2) if gaps else None,
         "ours_bytes": sum(link.total for link in links),
         "ours_trainer_bytes": round(statistics.mean(trainers)) if trainers else None,
-        "ours_samples_per_trainer": run["rounds"] * run["samples_per_round"],
+        "ours_samples_per_trainer": samples_before(run, run["rounds"]),
         "utilization": run["utilization"],
         # Round -> (seconds since the submit, samples per trainer, held-out exact match).
-        "ours_curve": {
-            str(r): [round(at[r], 1), r * run["samples_per_round"], acc] for r, acc in curve.items()
-        },
+        "ours_curve": {str(r): [round(at[r], 1), samples_before(run, r), acc] for r, acc in curve.items()},
     }
+
+
+def samples_by_round(points: Sequence[Any], trainers: Sequence[str]) -> dict[str, float]:
+    """Round -> the samples a trainer trained in it (mean over ``trainers``), from their metrics.
+
+    Not the planned figure: the scheduler splits a round between the trainers by their pace and
+    each stops at the batch its directive names, so a round's total may be a batch off the plan,
+    and rounds fitted to the link (``max_samples_per_round``) vary in size."""
+    by_round: dict[int, list[float]] = {}
+    for p in points:
+        if p.name == "samples" and p.worker_id in trainers:
+            by_round.setdefault(int(p.round), []).append(p.value)
+    return {str(r): statistics.mean(v) for r, v in sorted(by_round.items())}
+
+
+def samples_before(run: Mapping[str, Any], rounds: int) -> int:
+    """A trainer's samples in the first ``rounds`` rounds (the planned size where a round
+    reported none)."""
+    reported = run.get("samples_by_round", {})
+    return round(sum(reported.get(str(r), run["samples_per_round"]) for r in range(rounds)))
 
 
 @dataclass(frozen=True)
@@ -327,6 +346,7 @@ async def _job(lab: WanLab, supervisor: Any, spec: Mapping[str, Any]) -> dict[st
         ],
         "trainer_sites": [peers[w] for w in trainer_ids],
         "utilization": utilization(points, trainer_ids),
+        "samples_by_round": samples_by_round(points, trainer_ids),
     }
 
 
