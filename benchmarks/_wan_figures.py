@@ -98,13 +98,15 @@ def table(rates: Mapping[str, Mapping[str, Any]], steps: int, target: float) -> 
         )
     console.print(ddp)
     ours = Table(title=f"ours: the demo's DiLoCo job, held-out exact match to {target:.0%}")
-    for column in ("link", "variant", "to target", "accuracy", "job", "round", "MB per trainer", "util."):
+    columns = ("link", "variant", "to target", "accuracy", "job", "round", "MB per trainer", "util.", "lag")
+    for column in columns:
         ours.add_column(column, justify="left" if column in ("link", "variant") else "right")
     for rate, row in rates.items():
         for variant, seconds in (row.get("ours_time_to_target_s") or {}).items():
             accuracy = row["ours_accuracy"][variant]
             round_s = row["ours_round_s"][variant]
             util = row["utilization"][variant]
+            lag = (row.get("ours_update_lag_batches") or {}).get(variant)
             ours.add_row(
                 rate,
                 variant,
@@ -114,6 +116,7 @@ def table(rates: Mapping[str, Mapping[str, Any]], steps: int, target: float) -> 
                 f"{round_s:.1f} s" if round_s is not None else "-",
                 _mb(row["ours_trainer_bytes"][variant]),
                 f"{util:.2f}" if util is not None else "-",
+                f"{lag:g} batches" if lag is not None else "-",
             )
     console.print(ours)
 

@@ -28,7 +28,8 @@ executors' start); ``ours_round_s``, the median time between two published θ;
 their round metrics); ``ours_bytes``, every worker link's veth counters over the job, both
 directions (a trainer's exchange with the parameter server counts on both links); ``ours_trainer_bytes``, a
 trainer's own link (Δ up; θ_global and its data slices down; control traffic);
-``utilization`` (see ``utilization``); ``ours_curve``, per run, round -> [seconds since the
+``utilization`` (see ``utilization``); ``ours_update_lag_batches`` (overlapped variants, see
+``update_lag``); ``ours_curve``, per run, round -> [seconds since the
 submit, samples per trainer, held-out exact match] of each scored θ.
 """
 
@@ -200,6 +201,7 @@ FIGURES = (
     "ours_trainer_bytes",
     "ours_samples_per_trainer",
     "utilization",
+    "ours_update_lag_batches",
 )
 
 
@@ -245,6 +247,7 @@ def run_figures(run: Mapping[str, Any], target: float) -> dict[str, Any]:
         "ours_trainer_bytes": round(statistics.mean(trainers)) if trainers else None,
         "ours_samples_per_trainer": samples_before(run, run["rounds"]),
         "utilization": run["utilization"],
+        "ours_update_lag_batches": run.get("update_lag_batches"),
         # Round -> (seconds since the submit, samples per trainer, held-out exact match).
         "ours_curve": {str(r): [round(at[r], 1), samples_before(run, r), acc] for r, acc in curve.items()},
     }
@@ -347,6 +350,7 @@ async def _job(lab: WanLab, supervisor: Any, spec: Mapping[str, Any]) -> dict[st
         "trainer_sites": [peers[w] for w in trainer_ids],
         "utilization": utilization(points, trainer_ids),
         "samples_by_round": samples_by_round(points, trainer_ids),
+        "update_lag_batches": update_lag(points, trainer_ids),
     }
 
 
@@ -384,6 +388,18 @@ def utilization(points: Sequence[Any], trainers: Sequence[str]) -> float | None:
         if span > 0:
             fractions.append(min(1.0, training / span))
     return round(statistics.mean(fractions), 3) if fractions else None
+
+
+def update_lag(points: Sequence[Any], trainers: Sequence[str]) -> float | None:
+    """Overlapped rounds: the median over trainers and rounds of the batches trained while an
+    update was on its way (the trainers' ``update_lag_batches``; the last round's, landing after
+    the last step, left out). None: synchronous rounds."""
+    by_round: dict[int, list[float]] = {}
+    for p in points:
+        if p.name == "update_lag_batches" and p.worker_id in trainers:
+            by_round.setdefault(int(p.round), []).append(p.value)
+    lags = [lag for r in sorted(by_round)[:-1] for lag in by_round[r]]
+    return statistics.median(lags) if lags else None
 
 
 def _redirect(log: Path) -> None:

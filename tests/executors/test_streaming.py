@@ -218,3 +218,12 @@ async def test_overlap_sync_keeps_training_while_whole_model_rounds_travel(
         assert all(torch.equal(params[n].detach(), theta_global[n]) for n in theta0)
     samples = {peer: [s.samples for s in network.deltas() if s.sender == peer] for peer in batches}
     assert samples == {"t0": [16, 16, 16], "t1": [24, 24, 24]}
+    # Each round says how stale its update was when it landed: t0 trained at least one batch of
+    # the next round before the server took the round (the gate), and at most that round's
+    # batches (the next sync waits for it); the last round's landed after the last step.
+    for peer, per_round in batches.items():
+        lags = [int(m[2]["update_lag_batches"]) for m in network.metrics if m[0] == peer]
+        assert len(lags) == rounds and lags[-1] == 0, (peer, lags)
+        assert all(0 <= lag <= per_round for lag in lags), (peer, lags)
+        if peer == "t0":
+            assert all(lag >= 1 for lag in lags[:-1]), lags

@@ -142,6 +142,8 @@ class DilocoTrainer:
         #: θ_global and the exchange with the parameter server (set once the job is known).
         self._global_sync: GlobalSync | None = None
         self._inflight: _InFlight | None = None
+        #: Batches trained by this process, in all: how late an overlapped update landed.
+        self._batches_done = 0
         #: The checkpoint at round boundaries, written in a thread (module NOTE).
         self._checkpoints = CheckpointWriter(self.options.checkpoint_interval_s, self.options.clock)
         #: The progress report travelling while the next batch trains.
@@ -252,6 +254,7 @@ class DilocoTrainer:
                 self._steps, train_step, model, optimizer, self.kind, to_device(batch, device), inner
             )
             elapsed = time.perf_counter() - started
+            self._batches_done += 1
             stats.batches += 1
             stats.samples += batch_rows(batch)
             stats.loss_sum += loss
@@ -369,7 +372,7 @@ class DilocoTrainer:
         )
         # The round's metrics go out when it lands (its delta's size is known then).
         self._inflight = _InFlight(
-            round_number, sent, task, stats, waited_s + time.perf_counter() - sync_started
+            round_number, sent, task, stats, waited_s + time.perf_counter() - sync_started, self._batches_done
         )
         self.samples_total += stats.samples
         self.round_losses.append(stats.mean_loss)
@@ -381,7 +384,11 @@ class DilocoTrainer:
         if inflight is None:
             return
         params, size = await inflight.task
-        await report_metrics(self.bridge, inflight.round_number, inflight.stats, inflight.idle_s, size)
+        # How many batches trained on while the update was on its way (0: it was awaited).
+        lag = {"update_lag_batches": float(self._batches_done - inflight.sent_after)}
+        await report_metrics(
+            self.bridge, inflight.round_number, inflight.stats, inflight.idle_s, size, extra=lag
+        )
         if params is not None:
             assert self._global_sync is not None
             self._global_sync.merge_fragment(model, inflight.sent, params)
@@ -408,6 +415,8 @@ class _InFlight:
     task: asyncio.Task[FragmentUpdate]
     stats: RoundStats
     idle_s: float
+    #: The trainer's batch count when it was sent (``_batches_done``).
+    sent_after: int
 
 
 def _sooner(countdown: int | None, other: int | None) -> int | None:

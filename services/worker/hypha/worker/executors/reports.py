@@ -38,7 +38,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from hypha.directives import DirectiveKind
@@ -93,9 +93,16 @@ async def report_progress(
 
 
 async def report_metrics(
-    bridge: Bridge, round_number: int, stats: RoundStats, idle_s: float, delta_bytes: int
+    bridge: Bridge,
+    round_number: int,
+    stats: RoundStats,
+    idle_s: float,
+    delta_bytes: int,
+    *,
+    extra: Mapping[str, float] | None = None,
 ) -> None:
-    """Send a round's metrics, with the time training stood still at its sync and its Δ's size."""
+    """Send a round's metrics, with the time training stood still at its sync, its Δ's size and
+    ``extra`` figures."""
     values = {
         "loss": finite(stats.mean_loss),
         "batches": float(stats.batches),
@@ -103,6 +110,7 @@ async def report_metrics(
         "samples_per_second": stats.samples / stats.train_seconds if stats.train_seconds else 0.0,
         "sync_idle_seconds": idle_s,
         "delta_bytes": float(delta_bytes),
+        **(extra or {}),
     }
     try:
         await bridge.metrics(round_number, values)
