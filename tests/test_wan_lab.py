@@ -186,10 +186,10 @@ def test_the_benchmark_quick_run_crosses_the_capped_links_with_every_gradient_an
 
     # Ours: the demo's job ran its rounds with each trainer behind its capped link.
     rounds = result["rounds"]
-    # As the trainers reported them: the planned 50 batches a round, give or take the batch at
-    # which each stopped (the scheduler splits a round between them by pace).
+    # As the trainers reported them: about the planned 50 batches a round (the scheduler splits a
+    # round between them by pace and ends it by its plan, a few batches off the planned count).
     for variant, samples in capped["ours_samples_per_trainer"].items():
-        assert abs(samples - rounds * 50 * 64) <= rounds * 64, variant
+        assert abs(samples - rounds * 50 * 64) <= 0.1 * rounds * 50 * 64, (variant, samples)
     # Every round each trainer's Δ went up and θ_global came down through its own link.
     assert capped["ours_trainer_bytes"]["fp32"] >= rounds * 2 * model_bytes
     assert capped["ours_bytes"]["fp32"] >= 2 * capped["ours_trainer_bytes"]["fp32"]
