@@ -7,10 +7,11 @@ addresses and capacity, so they can be reached without a new offer), each
 trainer's batch size, attempt and start round, the completed rounds, the
 replacements used, the target trainer count (``hypha scale``, ``elastic``), the
 samples per round fitted to the link (``link_fit``), and the slice tracker's
-header and one row per slice that was ever used (``SliceTracker.take_changes``). It is saved when the job starts running, at
-each slice handed out, after each completed round and after each replacement,
-restore or scale. The parameter server's state (θ_global, momentum) is kept per
-round in the state dir (``ps_state``). ``resume`` rebuilds the run from it.
+header and one row per slice that was ever used (``SliceTracker.take_changes``).
+It is saved when the job starts running, at each slice handed out, after each
+completed round and after each replacement, restore or scale. The parameter
+server's state (θ_global, momentum) is kept per round in the state dir
+(``ps_state``). ``resume`` rebuilds the run from it.
 
 Decisions (NOTE):
 - Only what changed is written (``RunSaver``): a part equal to the one last
