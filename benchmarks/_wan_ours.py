@@ -259,11 +259,17 @@ def samples_by_round(points: Sequence[Any], trainers: Sequence[str]) -> dict[str
     Not the planned figure: the scheduler splits a round between the trainers by their pace and
     each stops at the batch its directive names, so a round's total may be a batch off the plan,
     and rounds fitted to the link (``max_samples_per_round``) vary in size."""
+    by_round = _by_round(points, trainers, "samples")
+    return {str(r): statistics.mean(v) for r, v in sorted(by_round.items())}
+
+
+def _by_round(points: Sequence[Any], trainers: Sequence[str], name: str) -> dict[int, list[float]]:
+    """Round -> the values of metric ``name`` that ``trainers`` reported for it."""
     by_round: dict[int, list[float]] = {}
     for p in points:
-        if p.name == "samples" and p.worker_id in trainers:
+        if p.name == name and p.worker_id in trainers:
             by_round.setdefault(int(p.round), []).append(p.value)
-    return {str(r): statistics.mean(v) for r, v in sorted(by_round.items())}
+    return by_round
 
 
 def samples_before(run: Mapping[str, Any], rounds: int) -> int:
@@ -394,10 +400,7 @@ def update_lag(points: Sequence[Any], trainers: Sequence[str]) -> float | None:
     """Overlapped rounds: the median over trainers and rounds of the batches trained while an
     update was on its way (the trainers' ``update_lag_batches``; the last round's, landing after
     the last step, left out). None: synchronous rounds."""
-    by_round: dict[int, list[float]] = {}
-    for p in points:
-        if p.name == "update_lag_batches" and p.worker_id in trainers:
-            by_round.setdefault(int(p.round), []).append(p.value)
+    by_round = _by_round(points, trainers, "update_lag_batches")
     lags = [lag for r in sorted(by_round)[:-1] for lag in by_round[r]]
     return statistics.median(lags) if lags else None
 
