@@ -11,10 +11,12 @@ the round's θ was written), reads the veth counters just before the submit and 
 is over, and stops the cluster; this process then scores each kept θ on held-out sums
 (``demo_eval.score``, greedy exact match) after the job, so scoring costs the training no CPU.
 
-Variants (``VARIANTS``): ``fp32`` (the job's defaults), ``int8`` (Δ up in int8 with error
+Variants (``VARIANTS``): ``default`` (the job file's defaults: int8 both ways and
+``overlap_sync``, the same job as ``slow-link``), ``fp32`` (fp32 both ways, synchronous: the
+defaults before 2026-11-30), ``int8`` (Δ up in int8 with error
 feedback; θ_global comes down in fp32), ``compressed`` (int8 both ways: ``update_dtype =
-"int8"`` sends each round's change of θ_global in int8), ``overlap`` (``overlap_sync``),
-``slow-link`` (int8 both ways and ``overlap_sync``), ``streaming`` (2 fragments, half the
+"int8"`` sends each round's change of θ_global in int8), ``overlap`` (fp32 and ``overlap_sync``),
+``slow-link`` (int8 both ways and ``overlap_sync``), ``streaming`` (fp32, 2 fragments, half the
 samples a round and twice the rounds: the same inner steps between two syncs of a fragment,
 the same samples in all), ``fit`` (int8 both ways, rounds fitted to the link: from 10
 inner steps a round up to 200, ``max_samples_per_round``; twice the rounds).
@@ -54,15 +56,19 @@ from hypha.testing.wan import WanLab
 
 SCRIPT = Path(__file__).resolve()
 #: Variant -> (extra ``[job]`` lines, inner steps a round, rounds per demo round).
+_FP32 = 'delta_dtype = "fp32"\nupdate_dtype = "fp32"'
+_INT8 = 'delta_dtype = "int8"\nupdate_dtype = "int8"'
 VARIANTS: dict[str, tuple[str, int, int]] = {
-    "fp32": ("", 50, 1),
-    "int8": ('delta_dtype = "int8"', 50, 1),
-    "compressed": ('delta_dtype = "int8"\nupdate_dtype = "int8"', 50, 1),
-    "overlap": ("overlap_sync = true", 50, 1),
-    "slow-link": ('delta_dtype = "int8"\nupdate_dtype = "int8"\noverlap_sync = true', 50, 1),
-    "streaming": ("streaming_fragments = 2", 25, 2),
+    # The job file's defaults (``hypha.jobfile.common.Defaults``: int8 both ways, overlap_sync).
+    "default": ("", 50, 1),
+    "fp32": (f"{_FP32}\noverlap_sync = false", 50, 1),
+    "int8": ('delta_dtype = "int8"\nupdate_dtype = "fp32"\noverlap_sync = false', 50, 1),
+    "compressed": (f"{_INT8}\noverlap_sync = false", 50, 1),
+    "overlap": (f"{_FP32}\noverlap_sync = true", 50, 1),
+    "slow-link": (f"{_INT8}\noverlap_sync = true", 50, 1),
+    "streaming": (f"{_FP32}\nstreaming_fragments = 2", 25, 2),
     # Rounds fitted to the link: from 10 inner steps a round up to 200 (``link_fit``).
-    "fit": ('delta_dtype = "int8"\nupdate_dtype = "int8"\nmax_samples_per_round = 25600', 10, 2),
+    "fit": (f"{_INT8}\noverlap_sync = false\nmax_samples_per_round = 25600", 10, 2),
 }
 #: Jobs get one torch thread, as each data-parallel rank has.
 OVERRIDES = {"worker": ["worker.jobs.threads_per_job=1"]}

@@ -2,7 +2,7 @@
 per-step data parallel, on the same links (issue 30).
 
     python benchmarks/wan.py [--quick] [--json] [--rates unlimited,1gbit,100mbit,20mbit] [--steps N]
-        [--rounds N] [--variants fp32,int8,compressed,overlap,slow-link,streaming] [--target 0.9]
+        [--rounds N] [--variants default,fp32,int8,compressed,overlap,slow-link,streaming] [--target 0.9]
         [--eval-every N]
         [--repeats N] [--curve-steps N] [--plot PNG]
 
@@ -10,7 +10,7 @@ Each rate gets a fresh link lab (``hypha.testing.wan``): a hub namespace and one
 namespace per rank or worker, each site joined to the hub by a veth pair capped at the rate
 in both directions with ``tbf`` (``unlimited``: no qdisc). The hub routes between sites, so
 two sites talk through two capped links, as two machines on slow uplinks would. Needs root
-and iproute2. ``--quick`` (CI): 20mbit only, 10 data-parallel steps, ours fp32 for 2 rounds
+and iproute2. ``--quick`` (CI): 20mbit only, 10 data-parallel steps, ours (the defaults) for 2 rounds
 (accuracy reached, no target), no accuracy curve for data parallel.
 
 Ours (``_wan_ours``): the demo's DiLoCo job on a local cluster whose core runs in the hub and
@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"{QUICK_RATES}, {QUICK_STEPS} steps, ours fp32 {QUICK_ROUNDS} rounds",
+        help=f"{QUICK_RATES}, {QUICK_STEPS} steps, ours (the defaults) {QUICK_ROUNDS} rounds",
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     parser.add_argument("--rates", type=_rates_arg, help=f"comma-separated tc rates (default {RATES})")
@@ -158,7 +158,7 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         type=_variants_arg,
-        help=f"ours: comma-separated, of {', '.join(_wan_ours.VARIANTS)} (default all, --quick fp32)",
+        help=f"ours: comma-separated, of {', '.join(_wan_ours.VARIANTS)} (default all, --quick default)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="ours: runs per variant, medians reported")
     parser.add_argument("--target", type=float, default=TARGET, help="held-out exact match to reach")
@@ -201,7 +201,7 @@ def main() -> None:
     try:
         ours = _wan_ours.OursSetup(
             rounds=rounds,
-            variants=args.variants or (["fp32"] if args.quick else list(_wan_ours.VARIANTS)),
+            variants=args.variants or (["default"] if args.quick else list(_wan_ours.VARIANTS)),
             target=args.target,
             eval_every=eval_every,
             # --quick: ±3.5 points at 50 %, enough to see it is a number that moved.

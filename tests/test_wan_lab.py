@@ -158,7 +158,7 @@ def test_the_benchmark_quick_run_crosses_the_capped_links_with_every_gradient_an
             "--quick",
             "--json",
             "--variants",
-            "fp32,compressed",
+            "fp32,default",
             "--plot",
             str(tmp_path / "wan.png"),
         ],
@@ -196,18 +196,23 @@ def test_the_benchmark_quick_run_crosses_the_capped_links_with_every_gradient_an
     # The parameter server's link takes both trainers' Δ in each round: no round is shorter.
     assert capped["ours_round_s"]["fp32"] >= 0.9 * 2 * model_bytes * 8 / 20e6
     assert 0.0 <= capped["ours_accuracy"]["fp32"] <= 1.0
-    # int8 both ways (delta_dtype and update_dtype): about a quarter of the model each way a
-    # round, through the same links; the data slices and control traffic are the same.
-    compressed = capped["ours_trainer_bytes"]["compressed"]
+    # The job file's defaults, int8 both ways (delta_dtype and update_dtype): about a quarter of
+    # the model each way a round, through the same links; the data slices and control traffic
+    # are the same.
+    compressed = capped["ours_trainer_bytes"]["default"]
     assert rounds * 2 * model_bytes / 4 <= compressed <= 0.6 * capped["ours_trainer_bytes"]["fp32"]
     assert result["bytes_ratio_compressed"] > 1.5 * result["bytes_ratio"]
-    assert 0.0 < capped["utilization"]["fp32"] <= 1.0
-    (curve,) = capped["ours_curve"]["fp32"]  # one run
-    assert sorted(map(int, curve)) == list(range(rounds + 1))
+    # ... and overlapped: each round's update lands while the trainers go on training.
+    assert capped["ours_update_lag_batches"]["default"] is not None
+    assert capped["ours_update_lag_batches"].get("fp32") is None  # a synchronous job waits instead
+    for variant in ("fp32", "default"):
+        assert 0.0 < capped["utilization"][variant] <= 1.0
+        (curve,) = capped["ours_curve"][variant]  # one run
+        assert sorted(map(int, curve)) == list(range(rounds + 1))
     # Not measured in a quick run, so not guessed either.
     assert result["ddp_time_to_target_method"].startswith("not measured")
     assert capped["ddp_time_to_target_s"] is None and result["ddp_over_ours_20mbit"] is None
-    assert result["utilization_20mbit"] == capped["utilization"]["fp32"]
+    assert result["utilization_20mbit"] == capped["utilization"]["default"]
     assert (tmp_path / "wan.png").read_bytes().startswith(b"\x89PNG")
     assert not {name for name in _listed() if name.startswith(wan.PREFIX)}
 

@@ -112,10 +112,11 @@ def test_the_readme_quickstart_demo_runs_verbatim_from_a_fresh_clone(tmp_path: P
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(report["model"])  # the fetched model loads
-        # Measured, not the formula: per round each trainer pushed a delta and pulled an update
-        # (fp32 tensors), and the wire also carried headers and framing, so strictly more.
-        tensors = 4 * sum(p.numel() for p in model.parameters())
-        assert report["bytes_exchanged"] > 2 * 2 * 2 * tensors
+        # Measured, not the formula: per round each trainer pushed a delta and pulled an update,
+        # in int8 by default (a byte per parameter and a scale per block; the wire also carried
+        # headers and framing), so strictly more than a byte each and less than fp32's four.
+        params = sum(p.numel() for p in model.parameters())
+        assert 2 * 2 * 2 * params < report["bytes_exchanged"] < 2 * 2 * 2 * 4 * params
         assert Cluster(state).running() is None  # the demo stopped the cluster it started
         # A normal run logs nothing at ERROR (once: "Failed to detach context" tracebacks).
         logs = sorted((state / "logs").glob("*.log"))

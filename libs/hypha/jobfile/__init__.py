@@ -20,11 +20,11 @@ DiLoCo job::
     min_batch_size = 1
     max_batch_size = 64
     gpu_memory_per_sample_gb = 0.5       # for per-worker batch sizing; 0: unknown
-    delta_dtype = "fp32"                 # fp32 | bf16 | fp16 | int8 (block-wise, error feedback)
+    delta_dtype = "int8"                 # fp32 | bf16 | fp16 | int8 (block-wise, error feedback)
     delta_topk = 0.0                     # fraction of each delta's entries sent; 0: all
-    update_dtype = "fp32"                # the update down: fp32 (θ_global) | bf16 | fp16 | int8 (its change)
+    update_dtype = "int8"                # the update down: fp32 (θ_global) | bf16 | fp16 | int8 (its change)
     streaming_fragments = 0              # F >= 2: each round syncs 1/F of the model (streaming)
-    overlap_sync = false                 # whole-model rounds: keep training while the sync travels
+    overlap_sync = true                  # whole-model rounds: keep training while the sync travels
     quorum = 0.5                         # fraction of trainers that completes a late round
     round_timeout_s = 300
     selection_policy = ""                # "": the scheduler's default

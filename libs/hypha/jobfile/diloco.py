@@ -71,19 +71,19 @@ def diloco_table(table: Table) -> common_pb2.DilocoJobSpec:
     d.max_samples_per_round = table.integer("max_samples_per_round", 0)
     d.min_batch_size = table.integer("min_batch_size", d.min_batch_size or Defaults.MIN_BATCH_SIZE)
     d.max_batch_size = table.integer("max_batch_size", d.max_batch_size or Defaults.MAX_BATCH_SIZE)
-    dtype = table.string("delta_dtype", "fp32").lower()
+    dtype = table.string("delta_dtype", Defaults.DELTA_DTYPE).lower()
     if dtype not in DELTA_DTYPES:
         raise bad(table.key("delta_dtype"), f"unknown dtype {dtype!r} (valid: {', '.join(DELTA_DTYPES)})")
     d.delta_dtype = DELTA_DTYPES[dtype]
     d.delta_topk = table.number("delta_topk", 0.0)
-    update_dtype = table.string("update_dtype", "fp32").lower()
+    update_dtype = table.string("update_dtype", Defaults.UPDATE_DTYPE).lower()
     if update_dtype not in DELTA_DTYPES:
         raise bad(
             table.key("update_dtype"), f"unknown dtype {update_dtype!r} (valid: {', '.join(DELTA_DTYPES)})"
         )
     d.update_dtype = DELTA_DTYPES[update_dtype]
     d.streaming_fragments = table.integer("streaming_fragments", 0)
-    d.overlap_sync = table.boolean("overlap_sync", False)
+    d.overlap_sync = table.boolean("overlap_sync", Defaults.OVERLAP_SYNC)
     d.quorum = table.number("quorum", Defaults.QUORUM)
     d.round_timeout_s = table.number("round_timeout_s", Defaults.ROUND_TIMEOUT_S)
     d.selection_policy = table.string("selection_policy")
