@@ -55,9 +55,9 @@ from hypha.client.demo import BATCH
 from hypha.testing.wan import WanLab
 
 SCRIPT = Path(__file__).resolve()
-#: Variant -> (extra ``[job]`` lines, inner steps a round, rounds per demo round).
 _FP32 = 'delta_dtype = "fp32"\nupdate_dtype = "fp32"'
 _INT8 = 'delta_dtype = "int8"\nupdate_dtype = "int8"'
+#: Variant -> (extra ``[job]`` lines, inner steps a round, rounds per demo round).
 VARIANTS: dict[str, tuple[str, int, int]] = {
     # The job file's defaults (``hypha.jobfile.common.Defaults``: int8 both ways, overlap_sync).
     "default": ("", 50, 1),

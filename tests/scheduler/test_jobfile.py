@@ -165,9 +165,8 @@ def test_job_table_gets_defaults_for_what_it_leaves_out() -> None:
         )
     ).diloco
     assert not exact.overlap_sync
-    assert (
-        exact.delta_dtype == exact.update_dtype == common_pb2.DELTA_DTYPE_FP32
-    )  # θ_global itself comes down
+    # fp32 both ways: Δ exact, and θ_global itself comes down.
+    assert exact.delta_dtype == exact.update_dtype == common_pb2.DELTA_DTYPE_FP32
     assert d.worker_price.bid == 0 and d.worker_price.max == 0  # 0: the scheduler's default
 
 
