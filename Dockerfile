@@ -1,9 +1,11 @@
 # Hypha images. Build the wheels on the host first (scripts/wheelhouse.sh):
-# nothing is downloaded during the build, and a code change rebuilds only the
-# last layer of each image. scripts/images.sh does all of it.
+# nothing is downloaded from beyond the host during the build, and a code change
+# rebuilds only the last layers of each image. scripts/images.sh does all of it.
 #
-#   docker build --target core   -t hypha-core .     # gateway, scheduler, data node, client CLI, certutil (no torch)
-#   docker build --target worker -t hypha-worker .   # the worker, with torch
+#   docker build --target core -t hypha-core .     # gateway, scheduler, data node, client CLI, certutil (no torch)
+#   python3 -m http.server -b 127.0.0.1 -d wheelhouse 38641 &
+#   docker build --network host --build-arg WHEELS=http://127.0.0.1:38641 \
+#     --target worker -t hypha-worker .            # the worker, with torch (WHEELS: below)
 #
 # BASE_IMAGE: python:3.11-slim-bookworm, or where no registry is reachable the
 # stand-in scripts/base-image.sh builds from Debian's packages.
@@ -62,12 +64,20 @@ LABEL org.opencontainers.image.title="hypha-core" \
 # PyPI's torch 2.13.0 is the CUDA build: it needs its nvidia-* wheels even to
 # import on a CPU (measured), so they are in this image too; it runs on CPUs
 # and, with the NVIDIA runtime, on GPUs (Dockerfile.gpu adds the settings).
-FROM core-deps AS worker-deps
-COPY wheelhouse/torch/ /wheels/torch/
-RUN pip install --no-index --find-links /wheels/core --find-links /wheels/torch /wheels/torch/*.whl
-
+#
+# Its ~2.6 GB of wheels are not in the build context: the classic builder would
+# send them, COPY them into a layer and copy the ~5 GB venv out of a builder
+# stage, each step costing more than the install itself. scripts/images.sh
+# serves wheelhouse/ on the host's loopback for the build (--network host):
+# WHEELS is that URL (any page listing the wheels will do), WHEELS_KEY the
+# wheelhouse's dependency key, so new dependencies make a new layer.
 FROM runtime AS worker
-COPY --from=worker-deps /opt/hypha /opt/hypha
+ARG WHEELS
+ARG WHEELS_KEY
+RUN test -n "$WHEELS" || { echo "build arg WHEELS: the URL of the wheelhouse (scripts/images.sh serves it)" >&2; exit 1; } \
+ && echo "wheelhouse $WHEELS_KEY" \
+ && python3 -m venv /opt/hypha \
+ && pip install --no-index --find-links "$WHEELS/core/" --find-links "$WHEELS/torch/" -r "$WHEELS/worker.txt"
 COPY wheelhouse/hypha/ docker/ /build/
 RUN pip install --no-index --no-deps /build/hypha_ml-*.whl /build/hypha_ml_worker-*.whl \
  && pip check \

@@ -35,7 +35,8 @@ SCRIPT = Path(__file__).resolve()
 
 
 async def measure_ddp(lab: WanLab, steps: int, model_dir: Path) -> dict[str, Any]:
-    """Per-step data parallel, one rank per site, timed over ``steps`` steps."""
+    """Per-step data parallel, one rank per site, timed over ``steps`` steps (data order 0: the
+    order changes the arithmetic, not the time)."""
     results, moved = await _run_ddp(lab, model_dir, steps)
     seconds = max(float(result["seconds"]) for result in results)
     per_rank = statistics.mean(link.total for link in moved[:RANKS])
@@ -47,24 +48,25 @@ async def measure_ddp(lab: WanLab, steps: int, model_dir: Path) -> dict[str, Any
 
 
 async def measure_curve(
-    lab: WanLab, steps: int, model_dir: Path, checkpoints: Path, heldout: int
-) -> dict[str, Any]:
-    """Data parallel's held-out exact match against steps (``heldout`` sums), once: the link
-    changes its time, not its arithmetic. Rank 0 saves the model every ``CURVE_EVERY`` steps
-    into ``checkpoints``; they are scored after the run, as ours are."""
+    lab: WanLab, steps: int, model_dir: Path, checkpoints: Path, heldout: int, order: int
+) -> dict[str, float]:
+    """Data parallel's held-out exact match against steps (``heldout`` sums) on data ``order``,
+    step -> exact match, once per order: the link changes its time, not its arithmetic. Rank 0
+    saves the model every ``CURVE_EVERY`` steps into ``checkpoints``; they are scored after the
+    run, as ours are."""
     from hypha.client import demo_eval
 
-    await _run_ddp(lab, model_dir, steps, checkpoints)
+    await _run_ddp(lab, model_dir, steps, checkpoints, order)
     data = demo_eval.heldout(heldout)
     curve: dict[str, float] = {}
     for step in range(CURVE_EVERY, steps + 1, CURVE_EVERY):
         model = demo_eval.load_model(model_dir, checkpoints / f"theta-{step}.safetensors")
         curve[str(step)] = round(demo_eval.score(model, data)[1], 4)
-    return {"ddp_curve": curve}
+    return curve
 
 
 async def _run_ddp(
-    lab: WanLab, model_dir: Path, steps: int, curve_dir: Path | None = None
+    lab: WanLab, model_dir: Path, steps: int, curve_dir: Path | None = None, order: int = 0
 ) -> tuple[list[dict[str, Any]], list[LinkBytes]]:
     """Each rank's report of ``steps`` timed steps, and each site's bytes over them."""
     curve = ["--curve-dir", str(curve_dir)] if curve_dir is not None else []
@@ -86,6 +88,8 @@ async def _run_ddp(
             str(steps),
             "--model-dir",
             str(model_dir),
+            "--order",
+            str(order),
             *curve,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
@@ -130,9 +134,12 @@ async def _stop(ranks: list[asyncio.subprocess.Process]) -> None:
             await rank.wait()
 
 
-def run_rank(rank: int, master: str, steps: int, model_dir: Path, curve_dir: Path | None = None) -> None:
+def run_rank(
+    rank: int, master: str, steps: int, model_dir: Path, order: int, curve_dir: Path | None = None
+) -> None:
     """One data-parallel rank (inside its site namespace): warm up, say so, wait for "go",
-    time ``steps`` steps, report them, and wait for stdin to close before leaving the group.
+    time ``steps`` steps on data ``order`` (the rows of ``synthetic.arithmetic(seed=order)``),
+    report them, and wait for stdin to close before leaving the group.
     With ``curve_dir``, rank 0 also saves the model there every ``CURVE_EVERY`` steps
     (warmup steps count: they trained too)."""
     from datetime import timedelta
@@ -165,7 +172,7 @@ def run_rank(rank: int, master: str, steps: int, model_dir: Path, curve_dir: Pat
     )
     optimizer = make_inner_optimizer(ddp, settings)
     total = WARMUP_STEPS + steps
-    rows = synthetic.arithmetic(total * RANKS * demo.BATCH, seed=0).tensors
+    rows = synthetic.arithmetic(total * RANKS * demo.BATCH, seed=order).tensors
 
     def batch(step: int) -> dict[str, torch.Tensor]:
         start = (step * RANKS + rank) * demo.BATCH
@@ -197,12 +204,13 @@ def main() -> None:
     parser.add_argument("--master", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--order", type=int, default=0)
     parser.add_argument("--curve-dir", type=Path)
     args = parser.parse_args()
     # Notices of model loading in every rank would bury the benchmark's table.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    run_rank(args.rank, args.master, args.steps, args.model_dir, args.curve_dir)
+    run_rank(args.rank, args.master, args.steps, args.model_dir, args.order, args.curve_dir)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ the target) is ``None``, never a guess.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import statistics
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 #: Rows of data per data-parallel step and rank (the demo's batch).
@@ -30,19 +32,34 @@ def ddp_steps_to_target(curve: Mapping[str, float], target: float) -> int | None
     return min(reached) if reached else None
 
 
+def median_or_none(values: Sequence[float | None]) -> float | None:
+    """The median, a missing value counting as infinite (a run that never reached the target
+    took longer than any that did): None when that is where the median falls, or no values."""
+    if not values:
+        return None
+    middle = statistics.median(math.inf if value is None else value for value in values)
+    return None if math.isinf(middle) else round(middle, 4)
+
+
 def summary(rates: dict[str, dict[str, Any]], target: float, fastest: str) -> dict[str, Any]:
-    """Adds ``ddp_time_to_target_s`` to each rate's figures; the top-level figures."""
-    curve = rates.get(fastest, {}).get("ddp_curve")
-    steps = ddp_steps_to_target(curve, target) if curve else None
+    """Adds ``ddp_time_to_target_s`` (the median over the data orders) and
+    ``ddp_time_to_target_runs_s`` (per order) to each rate's figures; the top-level figures."""
+    curves: Mapping[str, Mapping[str, float]] = rates.get(fastest, {}).get("ddp_curves") or {}
+    per_order = [ddp_steps_to_target(curves[order], target) for order in sorted(curves, key=int)]
+    steps = median_or_none(per_order)
     for row in rates.values():
         row["ddp_time_to_target_s"] = round(steps * row["ddp_step_s"], 1) if steps is not None else None
-    if curve is None:
+        row["ddp_time_to_target_runs_s"] = [
+            round(n * row["ddp_step_s"], 1) if n is not None else None for n in per_order
+        ]
+    if not curves:
         method = "not measured (no accuracy curve for data parallel: --quick or --curve-steps 0)"
     else:
+        every = min(int(step) for curve in curves.values() for step in curve)
         method = (
-            f"steps to {target:.0%} held-out exact match, scored every {min(map(int, curve))} steps "
-            f"of one run on the {fastest} link (the link changes data parallel's time, not its "
-            "arithmetic), times ddp_step_s measured at each rate"
+            f"steps to {target:.0%} held-out exact match, scored every {every} steps of one run "
+            f"per data order ({len(curves)}, the median over them) on the {fastest} link (the link "
+            "changes data parallel's time, not its arithmetic), times ddp_step_s measured at each rate"
         )
 
     def to_target(rate: str) -> tuple[float | None, float | None]:
@@ -52,8 +69,11 @@ def summary(rates: dict[str, dict[str, Any]], target: float, fastest: str) -> di
     ddp_unlimited, ours_unlimited = to_target("unlimited")
     return {
         "ddp_steps_to_target": steps,
+        "ddp_steps_to_target_runs": per_order,
         "ddp_time_to_target_method": method,
         "ddp_over_ours_20mbit": _ratio(ddp_20, ours_20),
+        # Order by order (ours' run r and data parallel's curve r trained on the same rows).
+        "ddp_over_ours_20mbit_runs": _paired(rates.get("20mbit", {})),
         "ours_20mbit_over_unlimited": _ratio(ours_20, ours_unlimited),
         "ours_over_ddp_unlimited": _ratio(ours_unlimited, ddp_unlimited),
         "utilization_100mbit": _ours(rates, "100mbit", "utilization"),
@@ -69,6 +89,12 @@ def summary(rates: dict[str, dict[str, Any]], target: float, fastest: str) -> di
             "data slices down, and the control traffic)"
         ),
     }
+
+
+def _paired(row: Mapping[str, Any]) -> list[float | None]:
+    ddp = row.get("ddp_time_to_target_runs_s") or []
+    ours = (row.get("ours_time_to_target_runs_s") or {}).get(DEFAULT) or []
+    return [_ratio(d, o) for d, o in zip(ddp, ours, strict=False)]
 
 
 def bytes_ratio(rates: Mapping[str, Mapping[str, Any]], rate: str, variant: str) -> float | None:

@@ -21,7 +21,7 @@ samples a round and twice the rounds: the same inner steps between two syncs of 
 the same samples in all), ``fit`` (int8 both ways, rounds fitted to the link: from 10
 inner steps a round up to 200, ``max_samples_per_round``; twice the rounds).
 
-Figures per rate, each ``{variant: median over --repeats runs}``:
+Figures per rate, each ``{variant: median over --repeats runs}`` (run r on data order r):
 ``ours_time_to_target_s``, submit to the write of the first θ_global at or above the target
 (None: never reached); ``ours_accuracy``, the last scored θ's held-out exact match;
 ``ours_seconds``, submit to the job's end; ``ours_start_s``, submit to θ_0 (scheduling and the
@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import math
 import os
 import shutil
 import statistics
@@ -50,6 +49,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from _wan_figures import median_or_none
 
 from hypha.client.demo import BATCH
 from hypha.testing.wan import WanLab
@@ -88,22 +89,26 @@ class OursSetup:
     #: Score every n-th round's θ (and the rounds just before the first that reaches the target).
     eval_every: int
     heldout: int
-    #: Runs per variant; their medians are the figures (the round at which the model "gets" the
-    #: sums varies between runs of the same seeds).
+    #: Runs per variant; their medians are the figures. Run r trains on data order r (the
+    #: round at which the model "gets" the sums moves with the order of the rows, and between
+    #: runs of one order: the medians are over both, as data parallel's are over the orders).
     repeats: int
-    #: The prepared dataset (``arithmetic/``) and initial model, copied into each cluster.
+    #: The prepared datasets (``data-<order>/``) and initial model, copied into each cluster.
     template: Path
     work: Path
 
 
-def prepare_template(template: Path, rounds: int) -> None:
-    """The demo's dataset (enough for ``rounds`` demo rounds) and initial model, made once."""
+def prepare_template(template: Path, rounds: int, orders: int) -> None:
+    """The demo's dataset in ``orders`` data orders (seeds 0, 1, ...; each enough for ``rounds``
+    demo rounds) and its initial model, made once."""
     from hypha.client import demo
     from hypha.datasets.prepare import prepare_synthetic
     from hypha.models import save_arithmetic_model
 
     samples = rounds * demo.SAMPLES_PER_ROUND
-    prepare_synthetic(demo.DATASET, template / "data", demo.DATASET, samples, demo.SAMPLES_PER_SLICE, seed=0)
+    for order in range(orders):
+        data = template / f"data-{order}"
+        prepare_synthetic(demo.DATASET, data, demo.DATASET, samples, demo.SAMPLES_PER_SLICE, seed=order)
     save_arithmetic_model(template / "models" / "arithmetic-gpt2", seed=0)
 
 
@@ -116,18 +121,18 @@ async def measure(lab: WanLab, setup: OursSetup) -> dict[str, Any]:
     for variant in setup.variants:
         for repeat in range(setup.repeats):
             run_dir = setup.work / lab.rate / variant / str(repeat)
-            run = await _run(lab, setup, variant, run_dir)
+            run = await _run(lab, setup, variant, run_dir, order=repeat)
             run["curve"] = score_curve(run, setup, run_dir / "thetas")
             runs.setdefault(variant, []).append(run)
     return figures(runs, setup.target)
 
 
-async def _run(lab: WanLab, setup: OursSetup, variant: str, run_dir: Path) -> dict[str, Any]:
+async def _run(lab: WanLab, setup: OursSetup, variant: str, run_dir: Path, order: int) -> dict[str, Any]:
     settings, inner_steps, factor = VARIANTS[variant]
     state = run_dir / "state"
     shutil.rmtree(run_dir, ignore_errors=True)
     # Hard links: the dataset is read only, and copying it per run would cost a run's disk.
-    shutil.copytree(setup.template / "data", state / "data", copy_function=_link)
+    shutil.copytree(setup.template / f"data-{order}", state / "data", copy_function=_link)
     shutil.copytree(setup.template / "models", state / "models")
     rounds = setup.rounds * factor
     spec = {
@@ -224,13 +229,6 @@ def figures(runs: Mapping[str, Sequence[Mapping[str, Any]]], target: float) -> d
         out["ours_time_to_target_runs_s"][variant] = [figure["ours_time_to_target_s"] for figure in each]
         out["ours_curve"][variant] = [figure["ours_curve"] for figure in each]
     return out
-
-
-def median_or_none(values: Sequence[float | None]) -> float | None:
-    """The median, a missing value counting as infinite (a run that never reached the target
-    took longer than any that did): None when that is where the median falls."""
-    middle = statistics.median(math.inf if value is None else value for value in values)
-    return None if math.isinf(middle) else round(middle, 4)
 
 
 def run_figures(run: Mapping[str, Any], target: float) -> dict[str, Any]:

@@ -24,7 +24,7 @@ demo's task and model (``hypha demo``: 3-digit reversed sums, the seeded 0.63M-p
 GPT-2), with the demo's per-rank batch (64) and inner optimizer (AdamW 3e-3, betas
 0.9/0.95, gradient norm clipped to 1.0, linear warmup over 100 steps: the trainer's own
 ``train_step``), one torch thread per rank. Rank r takes every 2nd batch of rows from the
-demo's generator (``synthetic.arithmetic``, seed 0), starting at batch r. After
+demo's generator (``synthetic.arithmetic``, seed 0: data order 0), starting at batch r. After
 ``WARMUP_STEPS`` untimed steps (gloo's connections, DDP's first broadcast), both ranks time
 ``--steps`` steps (default 50; 10 with ``--quick``). The ranks run ``_wan_ddp``.
 
@@ -41,8 +41,14 @@ Last line: ``{"name": "wan", "figure": ddp_step_s at the lowest rate, "unit": "s
 "baseline": ddp_step_s at the highest rate, "ratio": figure / baseline, "rates": {rate:
 {...}}, ...}`` and the top-level figures of ``_wan_figures.summary``; ``--json`` prints that
 line alone, without the tables. Data parallel's time to the target: its held-out exact match
-every 50 steps of one ``--curve-steps`` run on the fastest link (``ddp_curve``; the link
-changes its time, not its arithmetic) times its step time at each rate.
+every 50 steps of a ``--curve-steps`` run on the fastest link per data order (``ddp_curves``;
+the link changes its time, not its arithmetic), the median over the orders of the steps to
+the target, times its step time at each rate.
+
+Data orders (``--repeats N``): run r of ours and data parallel's r-th curve train on the rows
+of ``synthetic.arithmetic(seed=r)``, so both sides' medians are over the same N orders (the
+step at which either leaves the task's plateau moves with the order: ``samples_to_target.py``);
+the JSON keeps each order's figures beside the medians.
 """
 
 from __future__ import annotations
@@ -75,8 +81,9 @@ STEPS, QUICK_STEPS = 50, 10
 #: Ours: the demo's rounds; --quick: enough to see rounds cross the links, not to train.
 ROUNDS, QUICK_ROUNDS = 60, 2
 TARGET = 0.90
-#: Data parallel's accuracy against steps (on the fastest link only): steps run.
-CURVE_STEPS = 1500
+#: Data parallel's accuracy against steps (on the fastest link only, per data order): steps
+#: run, 320,000 samples (``samples_to_target.py``'s cap: one order of three needed more).
+CURVE_STEPS = 2500
 
 
 @dataclass(frozen=True)
@@ -88,9 +95,11 @@ class Setup:
     ours: _wan_ours.OursSetup
     #: Where ours runs (--quick: the slowest rate only).
     ours_rates: list[str]
-    #: Data parallel's accuracy curve: measured at this rate, CURVE_STEPS long ("": not measured).
+    #: Data parallel's accuracy curve: measured at this rate, CURVE_STEPS long ("": not measured),
+    #: once per data order (as many as ours has runs per variant: run r trains on order r).
     curve_rate: str
     curve_steps: int = CURVE_STEPS
+    orders: int = 1
 
 
 #: One side of the comparison at one rate: its figures, measured in the rate's lab.
@@ -103,10 +112,13 @@ Measure = Callable[[WanLab, Setup], Awaitable[dict[str, Any]]]
 async def measure_data_parallel(lab: WanLab, setup: Setup) -> dict[str, Any]:
     figures = await measure_ddp(lab, setup.steps, setup.model_dir)
     if lab.rate == setup.curve_rate:
-        checkpoints = setup.ours.work / "ddp-curve"
-        figures.update(
-            await measure_curve(lab, setup.curve_steps, setup.model_dir, checkpoints, setup.ours.heldout)
-        )
+        curves = {}
+        for order in range(setup.orders):
+            checkpoints = setup.ours.work / f"ddp-curve-{order}"
+            curves[str(order)] = await measure_curve(
+                lab, setup.curve_steps, setup.model_dir, checkpoints, setup.ours.heldout, order
+            )
+        figures["ddp_curves"] = curves
     return figures
 
 
@@ -160,7 +172,12 @@ def main() -> None:
         type=_variants_arg,
         help=f"ours: comma-separated, of {', '.join(_wan_ours.VARIANTS)} (default all, --quick default)",
     )
-    parser.add_argument("--repeats", type=int, default=1, help="ours: runs per variant, medians reported")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="data orders: ours runs each variant, data parallel its curve, once per order; medians reported",
+    )
     parser.add_argument("--target", type=float, default=TARGET, help="held-out exact match to reach")
     parser.add_argument(
         "--eval-every", type=int, help="ours: score every n-th round's θ_global (default 3, --quick 1)"
@@ -210,7 +227,7 @@ def main() -> None:
             template=scratch / "template",
             work=scratch / "runs",
         )
-        _wan_ours.prepare_template(ours.template, rounds)
+        _wan_ours.prepare_template(ours.template, rounds, args.repeats)
         setup = Setup(
             rates=rates_run,
             steps=steps,
@@ -220,6 +237,7 @@ def main() -> None:
             ours_rates=[slowest] if args.quick else rates_run,
             curve_rate="" if args.quick or args.curve_steps < CURVE_EVERY else fastest,
             curve_steps=args.curve_steps,
+            orders=args.repeats,
         )
         rates = {rate: asyncio.run(measure_rate(rate, setup)) for rate in setup.rates}
     except BaseException:

@@ -40,7 +40,14 @@ if [ "$(cat "$out/.deps-key" 2>/dev/null)" != "$deps_key" ]; then
     --find-links "$here/$out/core" '.[torch]' services/worker)
   rm -f "$out"/core/hypha_ml*.whl "$out"/torch/hypha_ml*.whl
   for f in "$out"/core/*.whl; do rm -f "$out/torch/$(basename "$f")"; done
+  rm -f "$out/worker.txt"
   echo "$deps_key" >"$out/.deps-key"
+fi
+# What the worker image installs (Dockerfile, WHEELS): every dependency wheel, as name==version.
+if [ ! -s "$out/worker.txt" ]; then
+  for f in "$out"/core/*.whl "$out"/torch/*.whl; do
+    basename "$f" | awk -F- '{print $1 "==" $2}'
+  done | sort >"$out/worker.txt"
 fi
 
 # libs/testing (the tests' harness, hypha-ml-testing) is in no image: a change to it rebuilds nothing.
