@@ -24,7 +24,8 @@ trainer does); ``h10``, 10 inner steps a round; ``outer-LR-M`` (any learning rat
 momentum, e.g. ``outer-0.7-0.9``, the DiLoCo paper's and the job's default), the demo's job
 with that outer Nesterov step instead of plain averaging; ``overlap-K``, overlapped rounds whose
 update lands after K of the next round's inner steps (a fast link: the update's flight is
-a few steps).
+a few steps); ``int8-overlap-K`` (and ``int8-overlap``), the same with int8 both ways: the job
+file's defaults, as the cluster runs them.
 
 Held-out exact match (greedy, 500 held-out sums: ``demo_eval.score``) every ``--eval-every``
 samples (all trainers together), until the target or ``--max-samples``. Runs go two at a
@@ -57,6 +58,8 @@ VARIANTS = ("ddp", "diloco", "int8", "overlap", "h10")
 OUTER = "outer-"
 #: ``overlap-K``: overlapped rounds whose update lands after K of the next round's inner steps.
 OVERLAP = "overlap-"
+#: ``int8-overlap-K``: the same with int8 both ways (the job file's defaults in the cluster).
+INT8 = "int8-"
 TRAINERS = 2
 HELDOUT = 500
 
@@ -150,7 +153,7 @@ def _diloco(spec: Run, rows_at: Callable[..., Any], scored: Callable[..., bool],
     trainers = [_model(spec) for _ in range(TRAINERS)]
     theta = parameter_state(trainers[0][0])
     outer = NesterovOuter(theta, *outer_settings(spec.variant))
-    int8 = spec.variant == "int8"
+    int8 = spec.variant == "int8" or spec.variant.startswith(INT8)
     up = [DeltaEncoder("int8") for _ in trainers] if int8 else None
     down = UpdateEncoder("int8", theta) if int8 else None
     late: tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]] | None = None
@@ -203,7 +206,8 @@ def _diloco(spec: Run, rows_at: Callable[..., Any], scored: Callable[..., bool],
 
 def overlap_lag(variant: str, inner_steps: int) -> int | None:
     """Overlapped rounds: after how many of the next round's inner steps a round's update lands
-    (``overlap``: all of them; ``overlap-K``: K). None: synchronous rounds."""
+    (``overlap``: all of them; ``overlap-K`` and ``int8-overlap-K``: K). None: synchronous rounds."""
+    variant = variant.removeprefix(INT8)
     if variant == "overlap":
         return inner_steps
     if variant.startswith(OVERLAP):
@@ -223,6 +227,12 @@ def outer_settings(variant: str) -> tuple[float, float]:
 def _known(variant: str) -> bool:
     if variant in VARIANTS:
         return True
+    if variant.startswith(INT8):
+        variant = variant.removeprefix(INT8)
+        if variant == "overlap":
+            return True
+        if not variant.startswith(OVERLAP):
+            return False
     if variant.startswith(OVERLAP):
         lag = variant.removeprefix(OVERLAP)
         return lag.isdigit() and 1 <= int(lag) <= 50
@@ -293,7 +303,7 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         type=_csv(str),
-        help=f"of {', '.join(VARIANTS)}, outer-LR-M, overlap-K (default the five)",
+        help=f"of {', '.join(VARIANTS)}, outer-LR-M, overlap-K, int8-overlap-K (default the five)",
     )
     parser.add_argument("--seeds", type=_csv(int), help="data orders (default 0,1,2; --quick 0)")
     parser.add_argument("--max-samples", type=int, help="per run, all trainers (default 400,000)")
@@ -307,7 +317,7 @@ def main() -> None:
     if unknown:
         parser.error(
             f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}, outer-LR-M"
-            " (LR > 0, 0 <= M < 1) or overlap-K (1 <= K <= 50)"
+            " (LR > 0, 0 <= M < 1), overlap-K or int8-overlap-K (1 <= K <= 50)"
         )
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     max_samples = args.max_samples or (12_800 if args.quick else 400_000)

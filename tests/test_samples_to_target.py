@@ -53,6 +53,10 @@ def test_the_quick_run_scores_each_variant_at_its_rounds_and_counts_a_miss_as_th
         "overlap-0",
         "overlap-51",
         "overlap-x",
+        "int8-overlap-0",
+        "int8-overlap-x",
+        "int8-outer-1.0-0.5",
+        "int8-h10",
     ],
 )
 def test_an_unknown_or_out_of_range_variant_is_refused_with_the_forms_it_takes(variant: str) -> None:
@@ -66,5 +70,19 @@ def test_an_unknown_or_out_of_range_variant_is_refused_with_the_forms_it_takes(v
     assert done.returncode == 2
     assert (
         f"unknown {variant};" in done.stderr
-        and "outer-LR-M (LR > 0, 0 <= M < 1) or overlap-K (1 <= K <= 50)" in done.stderr
+        and "outer-LR-M (LR > 0, 0 <= M < 1), overlap-K or int8-overlap-K (1 <= K <= 50)" in done.stderr
     )
+
+
+def test_int8_overlap_k_is_int8_both_ways_with_the_update_k_steps_late() -> None:
+    sys.path.insert(0, str(BENCHMARK.parent))
+    import samples_to_target
+
+    assert (
+        samples_to_target._known("int8-overlap-4")
+        and samples_to_target.overlap_lag("int8-overlap-4", 50) == 4
+    )
+    assert (
+        samples_to_target._known("int8-overlap") and samples_to_target.overlap_lag("int8-overlap", 50) == 50
+    )
+    assert samples_to_target.overlap_lag("int8", 50) is None
