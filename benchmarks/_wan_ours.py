@@ -96,6 +96,8 @@ class OursSetup:
     #: The prepared datasets (``data-<order>/``) and initial model, copied into each cluster.
     template: Path
     work: Path
+    #: Keep each run's cluster state (node logs, job state) after a successful run (``--keep``).
+    keep: bool = False
 
 
 def prepare_template(template: Path, rounds: int, orders: int) -> None:
@@ -164,7 +166,8 @@ async def _run(lab: WanLab, setup: OursSetup, variant: str, run_dir: Path, order
     if result["state"] != "JOB_STATE_SUCCEEDED":
         raise RuntimeError(f"ours ({variant}) at {lab.rate}: job {result['state']}: {result['reason']}")
     result["samples_per_round"] = BATCH * inner_steps  # per trainer
-    shutil.rmtree(state, ignore_errors=True)
+    if not setup.keep:
+        shutil.rmtree(state, ignore_errors=True)
     return result
 
 
@@ -361,6 +364,10 @@ async def _job(lab: WanLab, supervisor: Any, spec: Mapping[str, Any]) -> dict[st
         "utilization": utilization(points, trainer_ids),
         "samples_by_round": samples_by_round(points, trainer_ids),
         "update_lag_batches": update_lag(points, trainer_ids),
+        # Every round metric the job reported (trainers and parameter server), for a closer look.
+        "metrics": [
+            [p.round, p.worker_id, p.name, p.value, p.at.ToMicroseconds() / 1e6 - submitted] for p in points
+        ],
     }
 
 

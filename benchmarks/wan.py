@@ -189,6 +189,11 @@ def main() -> None:
         help=f"data parallel's accuracy curve: steps on the fastest link (default {CURVE_STEPS}; 0: none)",
     )
     parser.add_argument("--plot", type=Path, help="write a PNG of time to target against link rate")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep every run's node logs, metrics and θ files (they are kept anyway when a run fails)",
+    )
     args = parser.parse_args()
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
     # Progress bars and notices of model loading in every rank and run would bury the tables.
@@ -226,6 +231,7 @@ def main() -> None:
             repeats=args.repeats,
             template=scratch / "template",
             work=scratch / "runs",
+            keep=args.keep,
         )
         _wan_ours.prepare_template(ours.template, rounds, args.repeats)
         setup = Setup(
@@ -244,7 +250,10 @@ def main() -> None:
         # The node logs, driver logs and θ files say why: keep them.
         print(f"wan: failed; its runs are kept in {scratch}", file=sys.stderr)
         raise
-    shutil.rmtree(scratch, ignore_errors=True)
+    if args.keep:
+        print(f"wan: its runs are kept in {scratch}", file=sys.stderr)
+    else:
+        shutil.rmtree(scratch, ignore_errors=True)
     top = summary(rates, args.target, fastest)
     if args.plot is not None:
         time_to_target_plot(rates, args.plot, args.target)

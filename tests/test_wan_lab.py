@@ -161,6 +161,7 @@ def test_the_benchmark_quick_run_crosses_the_capped_links_with_every_gradient_an
             "fp32,default",
             "--plot",
             str(tmp_path / "wan.png"),
+            "--keep",
         ],
         capture_output=True,
         text=True,
@@ -213,6 +214,17 @@ def test_the_benchmark_quick_run_crosses_the_capped_links_with_every_gradient_an
     assert result["ddp_time_to_target_method"].startswith("not measured")
     assert capped["ddp_time_to_target_s"] is None and result["ddp_over_ours_20mbit"] is None
     assert result["utilization_20mbit"] == capped["utilization"]["default"]
+
+    # --keep: each run's node logs and every round metric stay for a closer look; in each round
+    # the parameter server took both trainers' Δ (none dropped as late, none missing).
+    kept = Path(done.stderr.split("its runs are kept in ")[1].split()[0])
+    for variant in ("fp32", "default"):
+        run = kept / "runs" / RATE / variant / "0"
+        assert (run / "state" / "logs" / "scheduler.log").stat().st_size > 0
+        metrics = json.loads((run / "result.json").read_text())["metrics"]
+        served = {r: v for r, _, name, v, _ in metrics if name == "contributors"}
+        missing = [v for _, _, name, v, _ in metrics if name == "missing"]
+        assert served == dict.fromkeys(range(rounds), 2.0) and not any(missing), (variant, served)
     assert (tmp_path / "wan.png").read_bytes().startswith(b"\x89PNG")
     assert not {name for name in _listed() if name.startswith(wan.PREFIX)}
 
