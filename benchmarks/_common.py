@@ -44,6 +44,22 @@ def report(name: str, figure: float, unit: str, baseline: float, ratio: float, *
     print(json.dumps(result), flush=True)
 
 
+def demo_inner_settings() -> Any:
+    """The demo job's inner optimizer settings (``hypha demo``'s ``[job.inner_optimizer]``), for
+    benchmarks that train its model in process the way its trainers do."""
+    from hypha.client import demo
+    from hypha.worker.executors.diloco_settings import InnerSettings
+
+    return InnerSettings(
+        lr=demo.INNER_LR,
+        beta1=demo.INNER_BETAS[0],
+        beta2=demo.INNER_BETAS[1],
+        max_grad_norm=demo.INNER_MAX_GRAD_NORM,
+        weight_decay=demo.INNER_WEIGHT_DECAY,
+        warmup_steps=demo.INNER_WARMUP_ROUNDS * demo.INNER_STEPS,
+    )
+
+
 def sizes_arg(text: str) -> list[int]:
     """``--sizes 10,100,1000`` -> [10, 100, 1000] (argparse ``type``)."""
     return [int(part) for part in text.split(",") if part.strip()]

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import demo_inner_settings
+
 from hypha.testing.wan import SITE_LINK, LinkBytes, WanLab
 
 RANKS = 2
@@ -153,7 +155,7 @@ def run_rank(
     from hypha.datasets import synthetic
     from hypha.models import ModelKind
     from hypha.tensors.payload import encode_state
-    from hypha.worker.executors.diloco_settings import InnerSettings, make_inner_optimizer
+    from hypha.worker.executors.diloco_settings import make_inner_optimizer
     from hypha.worker.executors.inner_steps import train_step
 
     torch.set_num_threads(1)
@@ -163,13 +165,7 @@ def run_rank(
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.train()
     ddp = DistributedDataParallel(model)
-    settings = InnerSettings(
-        lr=demo.INNER_LR,
-        beta1=demo.INNER_BETAS[0],
-        beta2=demo.INNER_BETAS[1],
-        max_grad_norm=demo.INNER_MAX_GRAD_NORM,
-        warmup_steps=demo.INNER_WARMUP_ROUNDS * demo.INNER_STEPS,
-    )
+    settings = demo_inner_settings()
     optimizer = make_inner_optimizer(ddp, settings)
     total = WARMUP_STEPS + steps
     rows = synthetic.arithmetic(total * RANKS * demo.BATCH, seed=order).tensors

@@ -8,7 +8,7 @@ The link does not change the arithmetic of a synchronous job, only its time: thi
 measures the arithmetic alone, in this process, so that ``benchmarks/wan.py``'s times can be
 read against it. Everything is the demo's (``hypha demo``): the task (3-digit reversed sums,
 held-out pairs never trained on), the seeded 0.63M-parameter GPT-2, 2 trainers (or ranks) of
-batch 64, the inner AdamW (3e-3, betas 0.9/0.95, clipping at 1.0, warmup over 100 steps: the
+batch 64, the inner AdamW (2e-3, betas 0.9/0.95, weight decay 0.1, clipping at 1.0, warmup over 100 steps: the
 trainer's own ``train_step``), plain averaging as the outer step (lr 1, momentum 0), one torch
 thread per run. Seed s is the order of the training rows (``synthetic.arithmetic(seed=s)``);
 the model's initial weights are the same in every run.
@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import report
+from _common import demo_inner_settings, report
 
 VARIANTS = ("ddp", "diloco", "int8", "overlap", "h10")
 #: ``outer-LR-M``: the demo's job with that outer learning rate and momentum.
@@ -109,16 +109,9 @@ def run(spec: Run) -> dict[str, Any]:
 def _model(spec: Run) -> tuple[Any, Any, Any]:
     from transformers import AutoModelForCausalLM
 
-    from hypha.client import demo
-    from hypha.worker.executors.diloco_settings import InnerSettings, make_inner_optimizer
+    from hypha.worker.executors.diloco_settings import make_inner_optimizer
 
-    settings = InnerSettings(
-        lr=demo.INNER_LR,
-        beta1=demo.INNER_BETAS[0],
-        beta2=demo.INNER_BETAS[1],
-        max_grad_norm=demo.INNER_MAX_GRAD_NORM,
-        warmup_steps=demo.INNER_WARMUP_ROUNDS * demo.INNER_STEPS,
-    )
+    settings = demo_inner_settings()
     model = AutoModelForCausalLM.from_pretrained(spec.model_dir)
     model.train()
     return model, make_inner_optimizer(model, settings), settings

@@ -21,8 +21,8 @@ and their definitions, ``_wan_plot`` the plot.
 Data parallel (``ddp``): ``torch.distributed`` DistributedDataParallel over gloo, 2 ranks,
 each a process in its own site namespace (rank 0 listens at its site's address), on the
 demo's task and model (``hypha demo``: 3-digit reversed sums, the seeded 0.63M-parameter
-GPT-2), with the demo's per-rank batch (64) and inner optimizer (AdamW 3e-3, betas
-0.9/0.95, gradient norm clipped to 1.0, linear warmup over 100 steps: the trainer's own
+GPT-2), with the demo's per-rank batch (64) and inner optimizer (AdamW 2e-3, betas
+0.9/0.95, weight decay 0.1, gradient norm clipped to 1.0, linear warmup over 100 steps: the trainer's own
 ``train_step``), one torch thread per rank. Rank r takes every 2nd batch of rows from the
 demo's generator (``synthetic.arithmetic``, seed 0: data order 0), starting at batch r. After
 ``WARMUP_STEPS`` untimed steps (gloo's connections, DDP's first broadcast), both ranks time

@@ -68,10 +68,11 @@ async def test_any_other_refusal_is_not_waited_out(pki: Pki) -> None:
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT and servicer.calls == 1
 
 
-def test_the_demo_job_warms_up_over_two_rounds_and_clips_each_step() -> None:
+def test_the_demo_job_warms_up_over_two_rounds_clips_each_step_and_decays_weights() -> None:
     # The settings that took the demo off its plateau (README, "What hypha demo does").
     spec = parse_job_toml(demo.job_toml(Path("/models/arithmetic-gpt2"), rounds=3, inner_steps=10)).diloco
     inner = spec.inner_optimizer
     assert (inner.warmup_steps, inner.max_grad_norm) == (20, 1.0)
     assert (inner.learning_rate, inner.beta2) == (demo.INNER_LR, demo.INNER_BETAS[1])
+    assert inner.weight_decay == pytest.approx(demo.INNER_WEIGHT_DECAY)  # not the job file's 0.01
     assert spec.samples_per_round == demo.TRAINERS * 10 * demo.BATCH

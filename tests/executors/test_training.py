@@ -46,6 +46,20 @@ def _train(model: nn.Module, kind: ModelKind, batches: list[dict[str, torch.Tens
         inner_steps.train_step(model, optimizer, kind, batch)
 
 
+def test_the_demos_model_draws_its_positions_wider_than_its_other_weights(tmp_path: Path) -> None:
+    # Positions as faint as everything else kept the demo on its carry-less plateau for a
+    # number of steps that depended on the data order (hypha.models.ARITHMETIC_POSITION_STD).
+    from safetensors.torch import load_file
+
+    weights = load_file(models.save_arithmetic_model(tmp_path / "demo", seed=0) / "model.safetensors")
+    assert weights["transformer.wpe.weight"].std().item() == pytest.approx(
+        models.ARITHMETIC_POSITION_STD, rel=0.1
+    )
+    assert weights["transformer.wte.weight"].std().item() == pytest.approx(0.02, rel=0.1)
+    again = load_file(models.save_arithmetic_model(tmp_path / "again", seed=0) / "model.safetensors")
+    assert all(again[name].equal(weights[name]) for name in weights)  # still seeded
+
+
 def test_tiny_gpt2_from_its_dir_lowers_the_loss_on_arithmetic(tmp_path: Path) -> None:
     model_dir = models.save_tiny_model(ModelKind.CAUSAL_LM, tmp_path / "gpt2")
     model = models.build_model(_spec(ModelKind.CAUSAL_LM), model_dir)
