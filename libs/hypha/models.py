@@ -212,9 +212,10 @@ ARITHMETIC_GPT2 = {"n_embd": 128, "n_layer": 3, "n_head": 4, "n_positions": 16}
 #: 0.02). Digit k of the answer is the sum of the operands' digits at two fixed positions plus a
 #: carry from the two before them, so the model must tell positions apart before it can learn
 #: the carry; with positions as faint as the digits, it sat on the carry-less plateau (~10 %
-#: held-out exact match) for 750 steps in one data order and more than 2,500 in another. Drawn
-#: at 0.3, with the demo's inner rate and weight decay, it left the plateau within 400-1,300
-#: steps in each of five orders (docs/performance.md, "A steadier exit from the plateau").
+#: held-out exact match) for 750 steps in one data order and more than 2,500 in two of five.
+#: Drawn at 0.3, with the demo's inner rate and weight decay, data parallel reached 90 % at
+#: 550-900 steps in four orders of five and the demo's job in 14 runs of 15 within 26 rounds
+#: (docs/performance.md, "A steadier exit from the plateau").
 ARITHMETIC_POSITION_STD = 0.3
 
 

@@ -59,8 +59,9 @@ ANNOUNCE_WAIT_S = 60.0
 SAMPLES_PER_ROUND = TRAINERS * INNER_STEPS * BATCH
 #: One slice is one trainer's round, so slices and rounds line up.
 SAMPLES_PER_SLICE = INNER_STEPS * BATCH
-#: 2e-3 rather than 3e-3 (the value before the wider position embeddings): with 3e-3 one data
-#: order of five stayed on the plateau past 1,500 data-parallel steps, with 2e-3 none did.
+#: 2e-3 rather than 3e-3 (the value before the wider position embeddings): in an in-process
+#: probe with 3e-3 one data order of five stayed on the plateau past 1,500 data-parallel
+#: steps, with 2e-3 none did.
 INNER_LR = 2e-3
 #: β2 0.95 instead of 0.999: Adam's step-size estimate follows the gradients faster, which
 #: keeps a long plateau from ending in a loss spike (seen with 0.999 after ~1,000 steps).
@@ -71,7 +72,7 @@ INNER_MAX_GRAD_NORM = 1.0
 INNER_WARMUP_ROUNDS = 2
 #: AdamW's decoupled weight decay, 0.1 rather than the job file's 0.01: with the model's wider
 #: position embeddings (``hypha.models.ARITHMETIC_POSITION_STD``) and this rate, the step at
-#: which the model leaves its plateau stays within 400-1,300 across data orders (either alone
+#: which the model leaves its plateau moves far less with the data order (either change alone
 #: still left some order on it: docs/performance.md, "A steadier exit from the plateau").
 INNER_WEIGHT_DECAY = 0.1
 OUTER_LR = 1.0
