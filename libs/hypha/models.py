@@ -19,8 +19,11 @@ classes through ``save_pretrained``/``from_pretrained``.
 
 from __future__ import annotations
 
+import filecmp
 import importlib
 import json
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from enum import StrEnum
@@ -224,6 +227,27 @@ def save_arithmetic_model(out_dir: Path, *, seed: int = 0) -> Path:
     return save_tiny_model(
         ModelKind.CAUSAL_LM, out_dir, seed=seed, position_std=ARITHMETIC_POSITION_STD, **ARITHMETIC_GPT2
     )
+
+
+def refresh_arithmetic_model(model_dir: Path, *, seed: int = 0) -> bool:
+    """Write the demo's initial model into ``model_dir`` unless the very same files are there;
+    True when it wrote. A model an earlier release left there (positions drawn at 0.02) is
+    replaced: the demo's settings and figures are for this one."""
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    fresh = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}-", dir=model_dir.parent))
+    try:
+        save_arithmetic_model(fresh, seed=seed)
+        if all(
+            (model_dir / path.name).is_file() and filecmp.cmp(path, model_dir / path.name, shallow=False)
+            for path in fresh.iterdir()
+        ):
+            return False
+        if model_dir.exists():
+            shutil.rmtree(model_dir)
+        fresh.rename(model_dir)
+        return True
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
 
 
 def tiny_vit_config(**overrides: Any) -> Any:

@@ -60,6 +60,22 @@ def test_the_demos_model_draws_its_positions_wider_than_its_other_weights(tmp_pa
     assert all(again[name].equal(weights[name]) for name in weights)  # still seeded
 
 
+def test_an_earlier_releases_demo_model_is_replaced_and_a_current_one_kept(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    target = tmp_path / "models" / "arithmetic-gpt2"
+    models.save_tiny_model(ModelKind.CAUSAL_LM, target, seed=0, **models.ARITHMETIC_GPT2)  # positions at 0.02
+    assert models.refresh_arithmetic_model(target) is True
+    weights = load_file(target / "model.safetensors")
+    expected = load_file(models.save_arithmetic_model(tmp_path / "expected", seed=0) / "model.safetensors")
+    assert weights.keys() == expected.keys() and all(weights[k].equal(expected[k]) for k in expected)
+
+    written = (target / "model.safetensors").stat().st_mtime_ns
+    assert models.refresh_arithmetic_model(target) is False
+    assert (target / "model.safetensors").stat().st_mtime_ns == written
+    assert sorted(p.name for p in target.parent.iterdir()) == ["arithmetic-gpt2"]  # no scratch left
+
+
 def test_tiny_gpt2_from_its_dir_lowers_the_loss_on_arithmetic(tmp_path: Path) -> None:
     model_dir = models.save_tiny_model(ModelKind.CAUSAL_LM, tmp_path / "gpt2")
     model = models.build_model(_spec(ModelKind.CAUSAL_LM), model_dir)

@@ -93,7 +93,7 @@ def prepare(cluster: Cluster, rounds: int, say: Callable[[str], None]) -> Path:
     from hypha.datasets.format import Dataset
     from hypha.datasets.prepare import prepare_synthetic
     from hypha.datasets.synthetic import ARITHMETIC_FORMAT
-    from hypha.models import save_arithmetic_model
+    from hypha.models import refresh_arithmetic_model
 
     cluster.data_dir.mkdir(parents=True, exist_ok=True)
     target = cluster.data_dir / DATASET
@@ -111,8 +111,9 @@ def prepare(cluster: Cluster, rounds: int, say: Callable[[str], None]) -> Path:
     elif have < needed or not current:
         say(f"note: the running cluster serves an older or smaller {DATASET} dataset ({have:,} samples)")
     model_dir = cluster.models_dir / "arithmetic-gpt2"
-    if not (model_dir / "config.json").exists():
-        save_arithmetic_model(model_dir, seed=0)
+    had = (model_dir / "config.json").exists()
+    if refresh_arithmetic_model(model_dir) and had:
+        say(f"replaced {model_dir}: it held an earlier release's initial model")
     return model_dir
 
 
