@@ -11,9 +11,12 @@ import json
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hypha.testing.pki import Pki, make_pki
+
+if TYPE_CHECKING:
+    from hypha.worker.executors.diloco_settings import InnerSettings
 
 
 def temp_pki() -> Pki:
@@ -44,7 +47,7 @@ def report(name: str, figure: float, unit: str, baseline: float, ratio: float, *
     print(json.dumps(result), flush=True)
 
 
-def demo_inner_settings() -> Any:
+def demo_inner_settings() -> InnerSettings:
     """The demo job's inner optimizer settings (``hypha demo``'s ``[job.inner_optimizer]``), for
     benchmarks that train its model in process the way its trainers do."""
     from hypha.client import demo
