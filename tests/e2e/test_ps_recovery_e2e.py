@@ -14,6 +14,9 @@ restored from that state (``docs/fault-tolerance.md``).
    round is lost.
 2. The server's whole worker is SIGKILLed: its lease lapses, the market
    leases the spare, and the job still succeeds.
+3. The same after the last round is held, while the server lingers for its
+   trainers before it reports: the spare is restored at the job's last round
+   and only writes the result, which the job hands out.
 """
 
 from __future__ import annotations
@@ -151,3 +154,34 @@ async def test_parameter_server_worker_killed_mid_job_moves_to_the_spare(cluster
     print(
         f"ps worker killed: {killed - started:.1f}s to the kill, {time.monotonic() - killed:.1f}s to the end"
     )
+
+
+async def test_parameter_server_worker_killed_after_the_last_round_hands_the_result_over_from_the_spare(
+    cluster: E2ECluster, tmp_path: Path
+) -> None:
+    # Prepare: both servers up (the one test 2 killed comes back, as a rebooted machine does).
+    for name in SERVERS:
+        if not cluster.alive(name):
+            cluster.supervisor.restart_node(name)
+    job_id = await cluster.submit(diloco_toml(cluster.model_dir, rounds=3, name="ps-lost-at-the-end"))
+    job = await cluster.wait_round(job_id, 3, timeout_s=90)
+    server = _server_of(cluster, job)
+    (spare,) = set(SERVERS) - {server}
+    # The last round's state is held; the server writes the result and lingers for its trainers.
+    assert job.state == common_pb2.JOB_STATE_RUNNING, job.reason
+
+    # Execute
+    cluster.kill(server)
+    job = await cluster.wait(job_id, timeout_s=120)
+
+    # Assert: the spare wrote the result from the state of the last round; nothing was redone.
+    assert job.state == common_pb2.JOB_STATE_SUCCEEDED, f"{job.reason}\n{cluster.logs()}"
+    assert job.round == 3
+    assert _server_of(cluster, job) == spare
+    lines = await _job_log(cluster, job_id)
+    restored = [m.group(1) for m in map(RESTORED.search, lines) if m]
+    assert restored == ["3"], lines[-40:]
+    at = next(i for i, line in enumerate(lines) if RESTORED.search(line))
+    assert not [line for line in lines[at:] if " complete: " in line], lines[at:]  # no round redone
+    files = {path.name for path in await cluster.fetch_result(job_id, tmp_path)}
+    assert {"config.json", "model.safetensors"} <= files, files

@@ -314,8 +314,10 @@ async def test_a_replacement_server_elsewhere_restores_the_pushed_state_bit_for_
 
     async def publish_tensors(*, kind: str, round: int, path: Path) -> None:
         if kind == "update":
-            # Round r's update needs the state that starts round r (round r-1's) held.
-            held_before_update.append(round == 0 or round in committed)
+            # Round r's update needs the state that starts round r (round r-1's) held; the
+            # final round's its own too, since the trainers end once they have it.
+            needed = {round, round + 1} if round == 2 else {round}
+            held_before_update.append(round == 0 or needed <= set(committed))
         await publish(kind=kind, round=round, path=path)
 
     bridge.metrics = metrics  # type: ignore[method-assign]
@@ -328,8 +330,9 @@ async def test_a_replacement_server_elsewhere_restores_the_pushed_state_bit_for_
         assert first.core is not None
         digests.append(checkpoint.state_digest(first.core.outer.state_dict()))
     assert held_before_update == [True, True, True]
-    assert [m[2]["state_round"] for m in network.metrics][:2] == [1.0, 2.0]
+    assert [m[2]["state_round"] for m in network.metrics] == [1.0, 2.0, 3.0]
     blob = network.published[("ps", "ps-state", 2)].read_bytes()
+    last = network.published[("ps", "ps-state", 3)].read_bytes()
 
     # Execute: another machine (empty work dir), with t2 replaced by t3 meanwhile, gets the state.
     elsewhere = _network(tmp_path / "b", vit_dir)
@@ -344,6 +347,17 @@ async def test_a_replacement_server_elsewhere_restores_the_pushed_state_bit_for_
     assert checkpoint.state_digest(core.outer.state_dict()) == digests[1]
     assert core.expected == {"t0", "t1", "t3"}
     assert set(elsewhere.published) == {("ps", "update", 1), ("ps", "global", 2)}
+
+    # A server lost after its final update went out (the trainers ended with it) but before it
+    # handed over the result is restored at the last round: it waits for no Δ, it writes the result.
+    after = _network(tmp_path / "c", vit_dir)
+    after.start_rounds["ps"] = 3
+    after.deliver("scheduler", "ps", "ps-state", 3, 0, last)
+    third = _server(after, FakeClock(50.0))
+    assert await asyncio.wait_for(third.run(), timeout=60) == 0
+    assert third.core is not None and third.core.round_number == 3
+    assert checkpoint.state_digest(third.core.outer.state_dict()) == digests[2]
+    assert after.results["ps"] == tmp_path / "c" / "ps" / "result"
 
 
 @pytest.mark.parametrize("update_dtype", [common_pb2.DELTA_DTYPE_FP32, common_pb2.DELTA_DTYPE_INT8])

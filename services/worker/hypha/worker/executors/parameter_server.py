@@ -35,7 +35,10 @@ Decisions (NOTE):
   waits for that commit: at most one published round is not yet held
   elsewhere. A server restored elsewhere from round N-1's state redoes round
   N from the same deltas (each trainer keeps its last Δ until the next
-  update, ``ps_link``); a delta for the round after the current one waits
+  update, ``ps_link``). The final round is the exception: its update ends
+  the trainers, who keep nothing after it, so it goes out only once its
+  state is held (a server lost before it reported the result is restored
+  at the job's last round and only writes the result); a delta for the round after the current one waits
   here until that round starts. Since the trainers may hold a θ_global the
   restored server rebuilds only up to rounding (the change of an
   ``update_dtype`` round carries a residual the state does not), a restored
@@ -338,8 +341,6 @@ class ParameterServer:
             self._whole_updates -= 1
             if self.downlink is not None:  # every trainer holds θ_global as sent whole
                 self.downlink = UpdateEncoder(update_wire_dtype(self.spec), core.outer.parameters())
-        await self.bridge.publish_tensors(kind=UPDATE, round=update.round_number, path=update_path)
-        await self.bridge.publish_tensors(kind=GLOBAL, round=update.next_round, path=path)
         figures = {
             "contributors": float(len(update.contributors)),
             "missing": float(len(update.missing)),
@@ -347,7 +348,14 @@ class ParameterServer:
             "outer_steps": float(core.outer.steps),
             STATE_ROUND_KEY: float(core.round_number),
         }
-        self._committing = asyncio.ensure_future(self._commit(update.round_number, figures))
+        if self.finished:
+            # The final update ends the trainers: no Δ will come to redo this round from, so its
+            # state must be held before they can have it (module NOTE).
+            await self._commit(update.round_number, figures)
+        await self.bridge.publish_tensors(kind=UPDATE, round=update.round_number, path=update_path)
+        await self.bridge.publish_tensors(kind=GLOBAL, round=update.next_round, path=path)
+        if not self.finished:
+            self._committing = asyncio.ensure_future(self._commit(update.round_number, figures))
         self.updates.append(update)
         self._prune_published(update.next_round)
         early, self._early = self._early, {}
