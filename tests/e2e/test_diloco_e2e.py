@@ -172,16 +172,6 @@ async def attached_nodes(cluster: E2ECluster) -> dict[str, str]:
     return attached
 
 
-def restart_gateway(cluster: E2ECluster, name: str) -> None:
-    """Start a killed gateway again at the address and DHT port the other nodes know."""
-    info = cluster.node(name)
-    role, overrides = cluster.supervisor._started_with[name]
-    dht_port = info["dht"].rsplit(":", 1)[1]
-    cluster.supervisor.start_node(
-        name, role, [*overrides, f"net.listen={info['address']}", f"gateway.dht_port={dht_port}"]
-    )
-
-
 @pytest.mark.timeout(300)  # above its own waits (60 s + 150 s, fetch, evaluation)
 async def test_job_survives_the_loss_of_the_gateway_everyone_is_attached_to(
     cluster: E2ECluster, tmp_path: Path
@@ -221,4 +211,4 @@ async def test_job_survives_the_loss_of_the_gateway_everyone_is_attached_to(
     finally:
         # The cluster is whole again for whatever test runs next.
         if not cluster.alive(victim):
-            restart_gateway(cluster, victim)
+            cluster.supervisor.restart_node(victim)  # at the address and DHT port the others know

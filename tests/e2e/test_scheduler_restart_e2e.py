@@ -74,9 +74,7 @@ def _restart_scheduler(cluster: E2ECluster, lease_ttl_s: float | None = None) ->
         extra[:] = [item for item in extra if not item.startswith("scheduler.lease_ttl_s=")]
         extra.append(f"scheduler.lease_ttl_s={lease_ttl_s}")  # after the cluster's own: it wins
     cluster.kill("scheduler")
-    info = cluster.node("scheduler")
-    role, overrides = cluster.supervisor._started_with["scheduler"]
-    cluster.supervisor.start_node("scheduler", role, [*overrides, f"net.listen={info['address']}"])
+    cluster.supervisor.restart_node("scheduler")
 
 
 def _expired_leases(cluster: E2ECluster) -> int:
