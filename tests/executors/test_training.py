@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -339,6 +340,10 @@ def test_unset_inner_settings_take_torch_defaults() -> None:
         InnerSettings.from_proto(common_pb2.AdamWConfig(max_grad_norm=-1.0))
     tuned = InnerSettings.from_proto(common_pb2.AdamWConfig(max_grad_norm=0.5, warmup_steps=8))
     assert (tuned.max_grad_norm, tuned.warmup_steps) == (0.5, 8)
+    with pytest.raises(InvalidArgumentError, match="decay_steps"):
+        InnerSettings.from_proto(common_pb2.AdamWConfig(warmup_steps=8, decay_steps=8))
+    with pytest.raises(InvalidArgumentError, match="min_lr_ratio"):
+        InnerSettings.from_proto(common_pb2.AdamWConfig(decay_steps=8, min_lr_ratio=1.5))
 
 
 class _Linear(nn.Module):
@@ -394,3 +399,28 @@ def test_warmup_raises_the_rate_linearly_and_resumes_from_the_optimizer_state() 
     for expected in (0.4, 0.4):
         inner_steps.train_step(resumed_model, resumed, ModelKind.TORCH, batch, settings)
         assert resumed.param_groups[0]["lr"] == pytest.approx(expected)
+
+
+def test_the_cosine_decay_follows_the_warmup_down_to_its_floor_and_stays_there() -> None:
+    settings = InnerSettings(lr=0.4, warmup_steps=4, decay_steps=12, min_lr_ratio=0.1)
+    factors = [inner_steps.lr_factor(step, settings) for step in range(1, 16)]
+    # Warmup 1..4, then half a cosine over steps 5..12 (8 steps), then the floor.
+    cosine = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(1, 9)]
+    assert factors == pytest.approx([0.25, 0.5, 0.75, 1.0, *cosine, 0.1, 0.1, 0.1])
+    assert factors[7] == pytest.approx(0.55)  # step 8: half way down
+    # No warmup: the decay starts at once (the floor at step decay_steps, 0 when unset).
+    no_warmup = InnerSettings(decay_steps=2)
+    assert [inner_steps.lr_factor(step, no_warmup) for step in (1, 2, 3)] == pytest.approx([0.5, 0.0, 0.0])
+
+    # The optimizer takes the scheduled rate; a resumed one goes on from its saved step count.
+    model, batch = _linear_model(), _linear_batch()
+    optimizer = diloco_settings.make_inner_optimizer(model, settings)
+    for _ in range(10):
+        inner_steps.train_step(model, optimizer, ModelKind.TORCH, batch, settings)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.4 * factors[9])
+    resumed_model = _linear_model()
+    resumed = diloco_settings.make_inner_optimizer(resumed_model, settings)
+    resumed.load_state_dict(optimizer.state_dict())
+    for step in (11, 12, 13):
+        inner_steps.train_step(resumed_model, resumed, ModelKind.TORCH, batch, settings)
+        assert resumed.param_groups[0]["lr"] == pytest.approx(0.4 * factors[step - 1])

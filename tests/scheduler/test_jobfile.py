@@ -146,6 +146,14 @@ def test_job_table_gets_defaults_for_what_it_leaves_out() -> None:
         )
     ).diloco.inner_optimizer
     assert (tuned.max_grad_norm, tuned.warmup_steps) == (1.0, 100)
+    assert (d.inner_optimizer.decay_steps, d.inner_optimizer.min_lr_ratio) == (0, Defaults.MIN_LR_RATIO)
+    decayed = parse_job_toml(
+        DILOCO.replace(
+            "[job.model]",
+            "[job.inner_optimizer]\nwarmup_steps = 10\ndecay_steps = 500\nmin_lr_ratio = 0.0\n[job.model]",
+        )
+    ).diloco.inner_optimizer
+    assert (decayed.warmup_steps, decayed.decay_steps, decayed.min_lr_ratio) == (10, 500, 0.0)
     # A job file's sync defaults are the measured slow-link settings (docs/compression.md).
     assert d.delta_dtype == common_pb2.DELTA_DTYPE_INT8 and d.streaming_fragments == 0
     streaming = parse_job_toml(
@@ -259,6 +267,14 @@ def test_malformed_resources_name_the_dotted_key(resources: str, expected: str) 
         (
             ("[job.model]", "[job.inner_optimizer]\nwarmup_steps = -10\n[job.model]"),
             "job.inner_optimizer.warmup_steps: must not be negative",
+        ),
+        (
+            ("[job.model]", "[job.inner_optimizer]\nwarmup_steps = 20\ndecay_steps = 20\n[job.model]"),
+            "job.inner_optimizer.decay_steps: must be 0 (off) or above warmup_steps (20)",
+        ),
+        (
+            ("[job.model]", "[job.inner_optimizer]\ndecay_steps = 100\nmin_lr_ratio = 1.5\n[job.model]"),
+            "job.inner_optimizer.min_lr_ratio: must be in [0, 1]",
         ),
         (
             ("[job.model]", "[job.outer_optimizer]\nmomentum = 1.5\n[job.model]"),

@@ -39,6 +39,8 @@ DiLoCo job::
     weight_decay = 0.01
     max_grad_norm = 0.0                  # clip each step's gradient norm; 0: off
     warmup_steps = 0                     # linear learning-rate warmup; 0: off
+    decay_steps = 0                      # cosine decay to min_lr_ratio * lr at this step; 0: off
+    min_lr_ratio = 0.1
     [job.outer_optimizer]                # Nesterov
     learning_rate = 0.7
     momentum = 0.9

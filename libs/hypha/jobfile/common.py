@@ -54,6 +54,8 @@ class Defaults:
     WEIGHT_DECAY = 0.01
     OUTER_LR = 0.7
     MOMENTUM = 0.9
+    #: Where a cosine decay of the inner rate ends, as a fraction of the rate (``decay_steps``).
+    MIN_LR_RATIO = 0.1
     #: A job file's sync settings: int8 both ways with error feedback and the sync overlapped
     #: with the next round's inner steps. Measured on capped links (docs/performance.md, "Time
     #: to accuracy on capped links"): they win on slow links and cost no accuracy on fast ones.

@@ -143,6 +143,7 @@ def _adamw(t: Table | None) -> common_pb2.AdamWConfig:
         beta2=Defaults.BETA2,
         epsilon=Defaults.EPSILON,
         weight_decay=Defaults.WEIGHT_DECAY,
+        min_lr_ratio=Defaults.MIN_LR_RATIO,
     )
     if t is None:
         return a
@@ -162,6 +163,8 @@ def _adamw(t: Table | None) -> common_pb2.AdamWConfig:
     a.weight_decay = t.number("weight_decay", a.weight_decay)
     a.max_grad_norm = t.number("max_grad_norm", a.max_grad_norm)
     a.warmup_steps = t.integer("warmup_steps", a.warmup_steps)
+    a.decay_steps = t.integer("decay_steps", a.decay_steps)
+    a.min_lr_ratio = t.number("min_lr_ratio", a.min_lr_ratio)
     t.done()
     return a
 
@@ -303,6 +306,13 @@ def check_diloco(d: common_pb2.DilocoJobSpec, key: Callable[[str], str]) -> None
         raise bad(key("inner_optimizer.weight_decay"), "must not be negative")
     if not (math.isfinite(inner.max_grad_norm) and inner.max_grad_norm >= 0):
         raise bad(key("inner_optimizer.max_grad_norm"), "must be 0 (no clipping) or positive")
+    if inner.decay_steps and inner.decay_steps <= inner.warmup_steps:
+        raise bad(
+            key("inner_optimizer.decay_steps"),
+            f"must be 0 (off) or above warmup_steps ({inner.warmup_steps})",
+        )
+    if not 0.0 <= inner.min_lr_ratio <= 1.0:
+        raise bad(key("inner_optimizer.min_lr_ratio"), "must be in [0, 1]")
     if d.outer_optimizer.learning_rate <= 0:
         raise bad(key("outer_optimizer.learning_rate"), "must be positive")
     if not 0.0 <= d.outer_optimizer.momentum < 1.0:

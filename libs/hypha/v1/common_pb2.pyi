@@ -284,7 +284,7 @@ class PreprocessorSpec(_message.Message):
     def __init__(self, repository: _Optional[str] = ..., revision: _Optional[str] = ..., filenames: _Optional[_Iterable[str]] = ..., token: _Optional[str] = ..., local_path: _Optional[str] = ...) -> None: ...
 
 class AdamWConfig(_message.Message):
-    __slots__ = ("learning_rate", "beta1", "beta2", "epsilon", "weight_decay", "max_grad_norm", "warmup_steps")
+    __slots__ = ("learning_rate", "beta1", "beta2", "epsilon", "weight_decay", "max_grad_norm", "warmup_steps", "decay_steps", "min_lr_ratio")
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     BETA1_FIELD_NUMBER: _ClassVar[int]
     BETA2_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +292,8 @@ class AdamWConfig(_message.Message):
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DECAY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MIN_LR_RATIO_FIELD_NUMBER: _ClassVar[int]
     learning_rate: float
     beta1: float
     beta2: float
@@ -299,7 +301,9 @@ class AdamWConfig(_message.Message):
     weight_decay: float
     max_grad_norm: float
     warmup_steps: int
-    def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., epsilon: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
+    decay_steps: int
+    min_lr_ratio: float
+    def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., epsilon: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., decay_steps: _Optional[int] = ..., min_lr_ratio: _Optional[float] = ...) -> None: ...
 
 class NesterovConfig(_message.Message):
     __slots__ = ("learning_rate", "momentum")

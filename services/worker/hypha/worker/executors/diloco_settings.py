@@ -75,7 +75,7 @@ def delta_encoder(spec: common_pb2.DilocoJobSpec) -> DeltaEncoder:
 @dataclass(frozen=True)
 class InnerSettings:
     """AdamW settings; a field left at proto3's 0 takes torch's default (weight decay stays 0),
-    and gradient clipping and warmup stay off."""
+    and gradient clipping, warmup and decay stay off."""
 
     lr: float = 1e-3
     beta1: float = 0.9
@@ -86,6 +86,14 @@ class InnerSettings:
     max_grad_norm: float = 0.0
     #: Linear warmup: step n (from 1) uses lr * min(1, n / warmup_steps) (0: none).
     warmup_steps: int = 0
+    #: Cosine decay after the warmup: lr * min_lr_ratio from step decay_steps on (0: none).
+    decay_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the rate changes from step to step (``inner_steps.lr_factor``)."""
+        return bool(self.warmup_steps or self.decay_steps)
 
     @classmethod
     def from_proto(cls, config: common_pb2.AdamWConfig) -> InnerSettings:
@@ -98,11 +106,20 @@ class InnerSettings:
             weight_decay=config.weight_decay,
             max_grad_norm=config.max_grad_norm,
             warmup_steps=config.warmup_steps,
+            decay_steps=config.decay_steps,
+            min_lr_ratio=config.min_lr_ratio,
         )
         if min(settings.lr, settings.eps, settings.weight_decay, settings.max_grad_norm) < 0:
             raise InvalidArgumentError(f"invalid inner optimizer settings: {settings}")
         if not (0 <= settings.beta1 < 1 and 0 <= settings.beta2 < 1):
             raise InvalidArgumentError(f"inner betas must be in [0, 1): {settings.beta1}, {settings.beta2}")
+        if not 0 <= settings.min_lr_ratio <= 1:
+            raise InvalidArgumentError(f"inner min_lr_ratio must be in [0, 1]: {settings.min_lr_ratio}")
+        if settings.decay_steps and settings.decay_steps <= settings.warmup_steps:
+            raise InvalidArgumentError(
+                f"inner decay_steps ({settings.decay_steps}) must be above "
+                f"warmup_steps ({settings.warmup_steps})"
+            )
         return settings
 
 

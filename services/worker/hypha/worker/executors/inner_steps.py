@@ -1,4 +1,4 @@
-"""A trainer's arithmetic: one inner step (loss, clipping, warmup), and θ and Δ around a round.
+"""A trainer's arithmetic: one inner step (loss, clipping, the rate's schedule), and θ and Δ around a round.
 
 Synchronous, I/O-light code. The pseudo-gradient is Δ = θ_local - θ_global
 (parameters only: buffers are not optimised and never travel); a received
@@ -7,6 +7,7 @@ Synchronous, I/O-light code. The pseudo-gradient is Δ = θ_local - θ_global
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -27,7 +28,7 @@ def train_step(
 ) -> float:
     """One inner step; the batch's loss before the step.
 
-    ``settings`` adds gradient clipping and warmup (the optimizer itself holds
+    ``settings`` adds gradient clipping and the rate's schedule (the optimizer itself holds
     everything else). Reading the loss back waits for the device: the round's
     mean loss in the progress reports needs the real figure (and the real batch
     time).
@@ -38,18 +39,18 @@ def train_step(
     if settings is not None:
         if settings.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-        if settings.warmup_steps:
-            warm_up(optimizer, settings)
+        if settings.scheduled:
+            schedule_lr(optimizer, settings)
     optimizer.step()
     return float(loss.detach())
 
 
-def warm_up(optimizer: torch.optim.Optimizer, settings: InnerSettings) -> None:
+def schedule_lr(optimizer: torch.optim.Optimizer, settings: InnerSettings) -> None:
     """Set the learning rate of the step about to be taken.
 
     The count comes from the optimizer's own state (AdamW keeps each
     parameter's ``step``), so a trainer resumed from its checkpoint, or one that
-    joins a running job with a fresh optimizer, warms up from where its
+    joins a running job with a fresh optimizer, follows the schedule from where its
     optimizer stands rather than from a counter of its own.
     """
     taken = 0
@@ -57,9 +58,27 @@ def warm_up(optimizer: torch.optim.Optimizer, settings: InnerSettings) -> None:
         if "step" in state:
             taken = int(state["step"])
             break
-    factor = min(1.0, (taken + 1) / settings.warmup_steps)
+    factor = lr_factor(taken + 1, settings)
     for group in optimizer.param_groups:
         group["lr"] = settings.lr * factor
+
+
+def lr_factor(step: int, settings: InnerSettings) -> float:
+    """The fraction of ``lr`` that step ``step`` (from 1) takes: a linear warmup, then a half
+    cosine from 1 down to ``min_lr_ratio`` at ``decay_steps``, held after it.
+
+    The decay counts the trainer's own steps, not the job's rounds: the rounds' length in steps
+    may change as the scheduler fits them to the link, a trainer's step count does not.
+    """
+    factor = 1.0
+    if settings.warmup_steps:
+        factor = min(1.0, step / settings.warmup_steps)
+    if settings.decay_steps and step > settings.warmup_steps:
+        span = settings.decay_steps - settings.warmup_steps
+        progress = min(1.0, (step - settings.warmup_steps) / span)
+        floor = settings.min_lr_ratio
+        factor = floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return factor
 
 
 # ---- θ and Δ -----------------------------------------------------------------------------
