@@ -1,4 +1,5 @@
-"""A trainer's arithmetic: one inner step (loss, clipping, the rate's schedule), and θ and Δ around a round.
+"""A trainer's arithmetic: one inner step (loss, clipping, the rate's schedule), and θ and Δ
+around a round.
 
 Synchronous, I/O-light code. The pseudo-gradient is Δ = θ_local - θ_global
 (parameters only: buffers are not optimised and never travel); a received

@@ -38,8 +38,8 @@ Decisions (NOTE):
   update, ``ps_link``). The final round is the exception: its update ends
   the trainers, who keep nothing after it, so it goes out only once its
   state is held (a server lost before it reported the result is restored
-  at the job's last round and only writes the result); a delta for the round after the current one waits
-  here until that round starts. Since the trainers may hold a θ_global the
+  at the job's last round and only writes the result). A delta for the
+  round after the current one waits here until that round starts. Since the trainers may hold a θ_global the
   restored server rebuilds only up to rounding (the change of an
   ``update_dtype`` round carries a residual the state does not), a restored
   server sends its first updates whole, one per fragment and one more,
